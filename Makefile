@@ -1,0 +1,59 @@
+# pd-inference: every command a developer or CI runs. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+CHART := charts/pd-inference
+HELM4 := .tools/helm-v4.2.1/helm
+HELM3 := .tools/helm-v3.21.4/helm
+HELM ?= $(HELM4)
+ENV ?= dev
+RELEASE ?= pd
+NAMESPACE ?= pd-$(ENV)
+export PD_HELM_BINARIES := $(abspath $(HELM4)):$(abspath $(HELM3))
+
+.PHONY: help tools test lint render snapshot docs demo bench fmt clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install --quiet -e 'router[test]'; fi
+	@touch $@
+
+tools: $(VENV)/.installed ## Install the virtualenv, Helm 4 and Helm 3 (idempotent; cached in .venv/ and .tools/)
+	@scripts/install-tools.sh
+	@echo "tools: $$($(PY) --version) in $(VENV), $$($(PY) -m pip freeze | wc -l) packages"
+
+test: tools ## Run every test suite (chart, values, Argo CD, router end to end)
+	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+lint: tools ## The checks users run in their CI (ci/check.sh), plus ruff
+	ci/check.sh
+
+render: tools ## Print the manifests of values/$(ENV).yaml (e.g. make render ENV=prod)
+	@test -f values/$(ENV).yaml || { echo "render: no values/$(ENV).yaml" >&2; exit 2; }
+	@$(HELM) template $(RELEASE) $(CHART) --namespace $(NAMESPACE) $(foreach f,$(shell $(PY) ci/envs.py files $(ENV)),-f $(f))
+
+snapshot: tools ## Refresh the committed snapshot of the default render (review its diff)
+	$(PY) -m tests.snapshot --update
+
+docs: tools ## Regenerate values.schema.json descriptions and the chart README values table
+	$(PY) ci/chartdoc.py --write
+
+demo: tools ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
+	$(PY) -m pd_router.demo $(ARGS)
+
+bench: tools ## Router vs vllm-router vs direct, on zero-delay simulated engines
+	$(PY) -m pd_router.bench $(ARGS)
+
+fmt: tools ## Format Python code
+	$(VENV)/bin/ruff format router tests ci
+
+clean: ## Remove the virtualenv (keeps the Helm builds in .tools/)
+	rm -rf $(VENV)

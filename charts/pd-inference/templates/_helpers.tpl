@@ -1,0 +1,120 @@
+{{/* Names ---------------------------------------------------------------- */}}
+
+{{- define "pd-inference.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Full name prefix. Truncated to 45 characters so that "<fullname>-prefill-<ordinal>" and the
+StatefulSet controller-revision-hash label stay within Kubernetes' 63-character label limit.
+*/}}
+{{- define "pd-inference.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 45 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-inference.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* "<fullname>-<component>", the name of every object of a component. Call with (dict "ctx" $ "component" "router"). */}}
+{{- define "pd-inference.componentName" -}}
+{{- printf "%s-%s" (include "pd-inference.fullname" .ctx) .component -}}
+{{- end -}}
+
+{{/* FQDN of a component's Service. */}}
+{{- define "pd-inference.serviceFqdn" -}}
+{{- printf "%s.%s.svc.%s" (include "pd-inference.componentName" .) .ctx.Release.Namespace .ctx.Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "pd-inference.routerServiceAccountName" -}}
+{{- if .Values.router.serviceAccount.create -}}
+{{- default (include "pd-inference.componentName" (dict "ctx" . "component" "router")) .Values.router.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.router.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-inference.engineServiceAccountName" -}}
+{{- if .Values.engineServiceAccount.create -}}
+{{- default (include "pd-inference.componentName" (dict "ctx" . "component" "engine")) .Values.engineServiceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.engineServiceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels ---------------------------------------------------------------- */}}
+
+{{/* Selector labels: only the immutable subset (a StatefulSet/Deployment selector cannot change). */}}
+{{- define "pd-inference.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pd-inference.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pd-inference.labels" -}}
+{{ include "pd-inference.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: pd-inference
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: {{ include "pd-inference.chart" .ctx }}
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Images: a digest wins over a tag. Call with (dict "image" .Values.x "default" "tag"). */}}
+{{- define "pd-inference.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository (default .default .image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Ports ----------------------------------------------------------------- */}}
+
+{{/* List of ports, one per TP rank: (dict "base" 7300 "count" 8) -> [7300, ..., 7307] as JSON. */}}
+{{- define "pd-inference.portRange" -}}
+{{- $ports := list -}}
+{{- range $rank := until (int .count) -}}
+{{- $ports = append $ports (add (int $.base) $rank) -}}
+{{- end -}}
+{{- toJson $ports -}}
+{{- end -}}
+
+{{- define "pd-inference.lmcacheInitPorts" -}}
+{{- include "pd-inference.portRange" (dict "base" .Values.ports.lmcacheInitBase "count" .Values.decode.tensorParallelSize) -}}
+{{- end -}}
+
+{{- define "pd-inference.lmcacheAllocPorts" -}}
+{{- include "pd-inference.portRange" (dict "base" .Values.ports.lmcacheAllocBase "count" .Values.decode.tensorParallelSize) -}}
+{{- end -}}
+
+{{/* The NIXL backend: LIBFABRIC on EFA, UCX otherwise, unless set explicitly. */}}
+{{- define "pd-inference.nixlBackend" -}}
+{{- if ne .Values.kvTransfer.backend "auto" -}}
+{{- .Values.kvTransfer.backend -}}
+{{- else if .Values.efa.enabled -}}
+LIBFABRIC
+{{- else -}}
+UCX
+{{- end -}}
+{{- end -}}
+
+{{/* Replicas that run at least: minReplicas under autoscaling, else replicas. Call with the component's values. */}}
+{{- define "pd-inference.minReplicas" -}}
+{{- if and .autoscaling .autoscaling.enabled -}}
+{{- .autoscaling.minReplicas -}}
+{{- else -}}
+{{- .replicas -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,122 @@
+{{/*
+Rules the JSON schema cannot express. Each failure names the values field to change.
+Included once, from templates/validate.yaml, so `helm template` and `helm install` both stop.
+*/}}
+{{- define "pd-inference.validate" -}}
+{{- $v := .Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+
+{{- /* One notification host in LMCache mode: several routers would miss each other's notifications. */ -}}
+{{- if and $lmcache (gt (int $v.router.replicas) 1) -}}
+{{- fail (printf "router.replicas: %d router replicas need kvTransfer.connector=nixl; with lmcache the prefillers notify a single router (pd_proxy_host), so keep router.replicas at 1" (int $v.router.replicas)) -}}
+{{- end -}}
+{{- if and $lmcache $v.router.autoscaling.enabled -}}
+{{- fail "router.autoscaling.enabled: router autoscaling needs kvTransfer.connector=nixl; with lmcache the prefillers notify a single router" -}}
+{{- end -}}
+{{- if and $lmcache (ne (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
+{{- fail (printf "decode.tensorParallelSize: LMCache PD sends one KV shard and one notification per TP rank, so prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d) must be equal" (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
+{{- end -}}
+
+{{- /* KV buffer large enough for one max-length request (pd-protocols.md section 4). */ -}}
+{{- $shape := $v.model.kvShape -}}
+{{- if gt (int $shape.layers) 0 -}}
+{{- range $f := list "kvHeads" "headDim" "bytesPerElement" -}}
+{{- if le (int (get $shape $f)) 0 -}}
+{{- fail (printf "model.kvShape.%s: must be > 0 when model.kvShape.layers is set" $f) -}}
+{{- end -}}
+{{- end -}}
+{{- if $lmcache -}}
+{{- $need := include "pd-inference.kvBytesPerRequest" . | int64 -}}
+{{- if lt (int64 $v.kvTransfer.lmcache.bufferSize) $need -}}
+{{- fail (printf "kvTransfer.lmcache.bufferSize: %d bytes cannot hold the KV of one %d-token request (%d bytes for the given model.kvShape)" (int64 $v.kvTransfer.lmcache.bufferSize) (int $v.model.maxModelLen) $need) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* LMCache keys the chart owns cannot be overridden through extraConfig. */ -}}
+{{- range $key := list "chunk_size" "local_cpu" "enable_pd" "pd_role" "transfer_channel" "nixl_backends" "pd_buffer_size" "pd_buffer_device" "pd_proxy_host" "pd_proxy_port" "pd_peer_host" "pd_peer_init_port" "pd_peer_alloc_port" "pd_skip_proxy_notification" -}}
+{{- if hasKey $v.kvTransfer.lmcache.extraConfig $key -}}
+{{- fail (printf "kvTransfer.lmcache.extraConfig.%s: this LMCache key is set by the chart; use the matching kvTransfer/ports value instead" $key) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Placement: EFA does not cross availability zones. */ -}}
+{{- if and $v.efa.enabled (not $v.placement.sameZone) (not $v.placement.zone) -}}
+{{- fail "placement.sameZone: EFA traffic does not cross availability zones; keep placement.sameZone=true or pin placement.zone when efa.enabled=true" -}}
+{{- end -}}
+
+{{- $ports := dict -}}
+{{- $engineTp := max (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize) -}}
+{{- $_ := set $ports (toString $v.ports.engineHttp) "ports.engineHttp" -}}
+{{- range $name := list "nixlSideChannel" -}}
+{{- $p := toString (get $v.ports $name) -}}
+{{- if hasKey $ports $p -}}
+{{- fail (printf "ports.%s: port %s is already used by %s" $name $p (get $ports $p)) -}}
+{{- end -}}
+{{- $_ := set $ports $p (printf "ports.%s" $name) -}}
+{{- end -}}
+{{- range $name := list "lmcacheInitBase" "lmcacheAllocBase" -}}
+{{- range $rank := until (int $v.decode.tensorParallelSize) -}}
+{{- $p := toString (add (int (get $v.ports $name)) $rank) -}}
+{{- if hasKey $ports $p -}}
+{{- fail (printf "ports.%s: port %s (TP rank %d) is already used by %s" $name $p $rank (get $ports $p)) -}}
+{{- end -}}
+{{- $_ := set $ports $p (printf "ports.%s" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq (int $v.ports.proxyNotification) (int $v.ports.routerHttp)) -}}
+{{- fail (printf "ports.proxyNotification: port %d is already the router's HTTP port (ports.routerHttp)" (int $v.ports.proxyNotification)) -}}
+{{- end -}}
+
+{{- range $role := list "prefill" "decode" -}}
+{{- $r := get $v $role -}}
+{{- /* The chart owns accelerator resources: they follow tensorParallelSize and efa.* */ -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- $res := get ($r.resources | default dict) $kind | default dict -}}
+{{- range $owned := list "nvidia.com/gpu" "vpc.amazonaws.com/efa" "hugepages-2Mi" -}}
+{{- if hasKey $res $owned -}}
+{{- fail (printf "%s.resources.%s.%s: set by the chart (tensorParallelSize, efa.devices, efa.hugepages2Mi); remove it here" $role $kind $owned) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if $r.autoscaling.enabled -}}
+{{- if gt (int $r.autoscaling.minReplicas) (int $r.autoscaling.maxReplicas) -}}
+{{- fail (printf "%s.autoscaling.minReplicas: %d is above %s.autoscaling.maxReplicas (%d)" $role (int $r.autoscaling.minReplicas) $role (int $r.autoscaling.maxReplicas)) -}}
+{{- end -}}
+{{- if and (eq $r.autoscaling.kind "hpa") (empty $r.autoscaling.metrics) -}}
+{{- fail (printf "%s.autoscaling.metrics: give at least one metric for kind=hpa (CPU says little about a GPU engine's load)" $role) -}}
+{{- end -}}
+{{- if and (eq $r.autoscaling.kind "keda") (empty $r.autoscaling.kedaTriggers) -}}
+{{- fail (printf "%s.autoscaling.kedaTriggers: give at least one trigger for kind=keda" $role) -}}
+{{- end -}}
+{{- end -}}
+{{- /* A pinned zone must agree with any zone the user pins elsewhere. */ -}}
+{{- if $v.placement.zone -}}
+{{- $sel := get ($r.nodeSelector | default dict) "topology.kubernetes.io/zone" -}}
+{{- if and $sel (ne $sel $v.placement.zone) -}}
+{{- fail (printf "%s.nodeSelector: topology.kubernetes.io/zone=%s contradicts placement.zone=%s" $role $sel $v.placement.zone) -}}
+{{- end -}}
+{{- $na := (($r.affinity | default dict).nodeAffinity | default dict).requiredDuringSchedulingIgnoredDuringExecution | default dict -}}
+{{- range $term := $na.nodeSelectorTerms | default list -}}
+{{- range $expr := $term.matchExpressions | default list -}}
+{{- if and (eq $expr.key "topology.kubernetes.io/zone") (eq $expr.operator "In") (not (has $v.placement.zone ($expr.values | default list))) -}}
+{{- fail (printf "%s.affinity: its required node affinity allows zones %v, which excludes placement.zone=%s" $role $expr.values $v.placement.zone) -}}
+{{- end -}}
+{{- if and (eq $expr.key "topology.kubernetes.io/zone") (eq $expr.operator "NotIn") (has $v.placement.zone ($expr.values | default list)) -}}
+{{- fail (printf "%s.affinity: its required node affinity excludes placement.zone=%s" $role $v.placement.zone) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- if and $v.router.autoscaling.enabled (gt (int $v.router.autoscaling.minReplicas) (int $v.router.autoscaling.maxReplicas)) -}}
+{{- fail (printf "router.autoscaling.minReplicas: %d is above router.autoscaling.maxReplicas (%d)" (int $v.router.autoscaling.minReplicas) (int $v.router.autoscaling.maxReplicas)) -}}
+{{- end -}}
+{{- if ge (int $v.router.threshold) (int $v.model.maxModelLen) -}}
+{{- fail (printf "router.threshold: %d tokens is not below model.maxModelLen (%d), so no request could ever be disaggregated" (int $v.router.threshold) (int $v.model.maxModelLen)) -}}
+{{- end -}}
+{{- if and $v.router.auth.protectMetrics (not $v.router.auth.existingSecret) -}}
+{{- fail "router.auth.protectMetrics: needs router.auth.existingSecret (the API keys that would protect /metrics)" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,73 @@
+{{/*
+KV hand-off configuration, built as data and rendered with toJson/toYaml, never pasted into strings.
+
+Protocol facts checked against (see ../shared/design/pd-protocols.md):
+- LMCache PD keys, types and the ProxyNotif flow: lmcache 0.5.6 (lmcache/v1/config.py, the
+  pd_backend): ports are lists of ints indexed by TP rank, pd_buffer_size is bytes per worker.
+  Retired keys (enable_nixl, nixl_role, nixl_receiver_host, nixl_receiver_port) are only logged as
+  unknown by LMCache, so they are never rendered and tests/ check every key against 0.5.6's list.
+- kv-transfer-config shapes (LMCacheConnectorV1, NixlConnector with top-level
+  kv_load_failure_policy and kv_connector_extra_config.backends): vLLM 0.33.0.
+*/}}
+
+{{/* --kv-transfer-config for a role, as JSON. Call with (dict "ctx" $ "role" "prefill"). */}}
+{{- define "pd-inference.kvTransferConfig" -}}
+{{- $v := .ctx.Values -}}
+{{- $cfg := dict -}}
+{{- if eq $v.kvTransfer.connector "lmcache" -}}
+{{- $extra := dict "discard_partial_chunks" false -}}
+{{- if eq .role "prefill" -}}
+{{- $_ := set $extra "lmcache_rpc_port" "producer1" -}}
+{{- $cfg = dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_producer" "kv_connector_extra_config" $extra -}}
+{{- else -}}
+{{- $_ := set $extra "lmcache_rpc_port" "consumer1" -}}
+{{- $_ := set $extra "skip_last_n_tokens" 1 -}}
+{{- $cfg = dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_consumer" "kv_connector_extra_config" $extra -}}
+{{- end -}}
+{{- else -}}
+{{- $extra := dict "backends" (list (include "pd-inference.nixlBackend" .ctx)) -}}
+{{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" "kv_both" "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_connector_extra_config" $extra -}}
+{{- end -}}
+{{- toJson $cfg -}}
+{{- end -}}
+
+{{/* LMCache config file for a role, as a YAML document. Call with (dict "ctx" $ "role" "prefill"). */}}
+{{- define "pd-inference.lmcacheConfig" -}}
+{{- $v := .ctx.Values -}}
+{{- $lm := $v.kvTransfer.lmcache -}}
+{{- $cfg := dict
+  "chunk_size" (int $lm.chunkSize)
+  "local_cpu" false
+  "enable_pd" true
+  "transfer_channel" "nixl"
+  "nixl_backends" (list (include "pd-inference.nixlBackend" .ctx))
+  "pd_buffer_size" (int64 $lm.bufferSize)
+  "pd_buffer_device" $lm.bufferDevice
+-}}
+{{- if eq .role "prefill" -}}
+{{- $_ := set $cfg "pd_role" "sender" -}}
+{{- $_ := set $cfg "pd_proxy_host" (include "pd-inference.serviceFqdn" (dict "ctx" .ctx "component" "router")) -}}
+{{- $_ := set $cfg "pd_proxy_port" (int $v.ports.proxyNotification) -}}
+{{- else -}}
+{{- $_ := set $cfg "pd_role" "receiver" -}}
+{{- /* Bind on every interface; the router tells the sender this pod's IP in disagg_spec.receiver_host. */ -}}
+{{- $_ := set $cfg "pd_peer_host" "0.0.0.0" -}}
+{{- $_ := set $cfg "pd_peer_init_port" (include "pd-inference.lmcacheInitPorts" .ctx | fromJsonArray) -}}
+{{- $_ := set $cfg "pd_peer_alloc_port" (include "pd-inference.lmcacheAllocPorts" .ctx | fromJsonArray) -}}
+{{- end -}}
+{{- /* extraConfig keys were checked against LMCache's key list by the schema; chart-owned keys are refused in _validate.tpl. */ -}}
+{{- $merged := merge (deepCopy $lm.extraConfig) $cfg -}}
+{{- toYaml $merged -}}
+{{- end -}}
+
+{{/*
+KV bytes of one max-length request, for the pd_buffer_size check: 2 (K and V) x layers x KV heads x
+head dim x bytes per element x tokens, with tokens rounded up to whole LMCache chunks.
+*/}}
+{{- define "pd-inference.kvBytesPerRequest" -}}
+{{- $v := .Values -}}
+{{- $s := $v.model.kvShape -}}
+{{- $chunk := int64 $v.kvTransfer.lmcache.chunkSize -}}
+{{- $tokens := mul (div (add (int64 $v.model.maxModelLen) (sub $chunk 1)) $chunk) $chunk -}}
+{{- mul 2 (int64 $s.layers) (int64 $s.kvHeads) (int64 $s.headDim) (int64 $s.bytesPerElement) $tokens -}}
+{{- end -}}

@@ -1,0 +1,34 @@
+{{/*
+The router's config file (router/config.example.yaml documents the format; the router's own
+loader, pd_router.config.load_config, validates it and tests/ load every rendered copy with it).
+*/}}
+{{- define "pd-inference.routerConfig" -}}
+{{- $v := .Values -}}
+{{- $r := $v.router -}}
+{{- $pool := dict "ctx" . -}}
+{{- $cfg := dict
+  "listen" (dict "host" "0.0.0.0" "port" (int $v.ports.routerHttp))
+  "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer)
+  "routing" (dict "connector" $v.kvTransfer.connector "threshold" (int $r.threshold) "sessionAffinityHeader" $r.sessionAffinityHeader)
+  "pools" (dict
+    "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" (int $v.ports.engineHttp) "refreshSeconds" (int $r.discoveryRefreshSeconds)))
+    "decode" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "decode")) "port" (int $v.ports.engineHttp) "refreshSeconds" (int $r.discoveryRefreshSeconds))))
+  "lmcache" (dict
+    "notifyBindHost" "0.0.0.0"
+    "notifyPort" (int $v.ports.proxyNotification)
+    "notificationsPerRequest" (int $v.prefill.tensorParallelSize)
+    "decoderInitPorts" (include "pd-inference.lmcacheInitPorts" . | fromJsonArray)
+    "decoderAllocPorts" (include "pd-inference.lmcacheAllocPorts" . | fromJsonArray)
+    "notifyTimeoutSeconds" (int $v.kvTransfer.lmcache.notifyTimeoutSeconds))
+  "timeouts" (dict "connectSeconds" (int $r.timeouts.connectSeconds) "prefillSeconds" (int $r.timeouts.prefillSeconds) "firstByteSeconds" (int $r.timeouts.firstByteSeconds) "streamIdleSeconds" (int $r.timeouts.streamIdleSeconds))
+  "health" (dict "path" "/health" "intervalSeconds" (int $r.health.intervalSeconds) "timeoutSeconds" (int $r.health.timeoutSeconds) "healthyThreshold" (int $r.health.healthyThreshold) "unhealthyThreshold" (int $r.health.unhealthyThreshold) "passiveFailureThreshold" (int $r.health.passiveFailureThreshold))
+  "limits" (dict "maxInFlight" (int $r.limits.maxInFlight) "maxQueued" (int $r.limits.maxQueued) "queueTimeoutSeconds" (int $r.limits.queueTimeoutSeconds) "maxBodyBytes" (int64 $r.limits.maxBodyBytes))
+  "auth" (dict "apiKeysFile" (ternary (printf "%s/%s" (include "pd-inference.routerKeysDir" .) $r.auth.secretKey) "" (not (empty $r.auth.existingSecret))) "protectMetrics" $r.auth.protectMetrics)
+  "logging" (dict "level" $r.logLevel "logPrompts" $r.logPrompts)
+-}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{- define "pd-inference.routerKeysDir" -}}/etc/pd-router/api-keys{{- end -}}
+{{- define "pd-inference.routerConfigDir" -}}/etc/pd-router{{- end -}}
+{{- define "pd-inference.routerConfigFile" -}}router.yaml{{- end -}}
