@@ -28,7 +28,7 @@ $(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml)
 
 tools: $(VENV)/.installed ## Install the virtualenv, Helm 4 and Helm 3 (idempotent; cached in .venv/ and .tools/)
 	@scripts/install-tools.sh
-	@echo "tools: $$($(PY) --version) in $(VENV), $$($(PY) -m pip freeze | wc -l) packages"
+	@echo "tools: $$($(PY) --version) in $(VENV), $$($(PY) -m pip freeze | wc -l) packages" >&2
 
 test: tools ## Run every test suite (chart, values, Argo CD, router end to end)
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)

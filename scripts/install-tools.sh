@@ -4,6 +4,7 @@
 # Versions are pinned here and nowhere else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+exec 1>&2  # progress goes to stderr: `make render` prints only manifests on stdout
 
 # Helm 4.2.1 is the version Argo CD 3.5 embeds; 3.21.4 is the newest Helm 3.21.x (checked 2026-11-29).
 HELM4_VERSION=v4.2.1
@@ -12,19 +13,22 @@ TOOLS="$PWD/.tools"
 
 install_helm() { # major version, e.g. "4" "v4.2.1"
   local major=$1 version=$2 dir="$TOOLS/helm-$2"
-  if [ -x "$dir/helm" ] && "$dir/helm" version --template '{{.Version}}' 2>/dev/null | grep -qx "$version"; then
+  # A Helm built by `go install` reports only "vMAJOR.MINOR", so the stamp records the full version.
+  if [ -x "$dir/helm" ] && [ "$(cat "$dir/.version" 2>/dev/null)" = "$version" ]; then
     return 0
   fi
   mkdir -p "$dir"
   local onpath
   onpath=$(command -v helm || true)
-  if [ -n "$onpath" ] && "$onpath" version --template '{{.Version}}' 2>/dev/null | grep -qx "$version"; then
+  if [ -n "$onpath" ] && "$onpath" version --template "{{.Version}}" 2>/dev/null | grep -qx "$version"; then
     ln -sf "$onpath" "$dir/helm"
+    echo "$version" > "$dir/.version"
     return 0
   fi
   command -v go >/dev/null || { echo "install-tools: Go is needed to build Helm $version (none on PATH)" >&2; exit 1; }
   echo "install-tools: building Helm $version from helm.sh/helm/v$major (first run only, a few minutes)"
   GOBIN="$dir" GOFLAGS=-mod=mod go install "helm.sh/helm/v$major/cmd/helm@$version"
+  echo "$version" > "$dir/.version"
 }
 
 install_helm 4 "$HELM4_VERSION"
@@ -34,5 +38,6 @@ if [ -x router/tools/install-llm-d-sim.sh ]; then
   router/tools/install-llm-d-sim.sh || echo "install-tools: llm-d-inference-sim not installed (its interop test will skip and say why)"
 fi
 
-echo "install-tools: helm $("$TOOLS/helm-$HELM4_VERSION/helm" version --template '{{.Version}}') at .tools/helm-$HELM4_VERSION/helm"
-echo "install-tools: helm $("$TOOLS/helm-$HELM3_VERSION/helm" version --template '{{.Version}}') at .tools/helm-$HELM3_VERSION/helm"
+for version in "$HELM4_VERSION" "$HELM3_VERSION"; do
+  echo "install-tools: helm $version ($("$TOOLS/helm-$version/helm" version --template '{{.GoVersion}}')) at .tools/helm-$version/helm"
+done
