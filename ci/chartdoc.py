@@ -236,7 +236,12 @@ def _lmcache_extra_config() -> dict[str, Any]:
         if line.strip() and not line.startswith("#")
     ]
     allowed = sorted(set(keys) - LMCACHE_CHART_OWNED)
-    return {"type": "object", "propertyNames": {"enum": allowed}}
+    # Listed as properties (not propertyNames) so Helm's error names the object and the bad key.
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {k: {"description": f"LMCache 0.5.6 key `{k}` (passed through unchecked)."} for k in allowed},
+    }
 
 
 def _k8s_definitions(roots: set[str]) -> dict[str, Any]:
@@ -264,8 +269,6 @@ def build_schema() -> dict[str, Any]:
     docs = parse_comments(text)
     properties = {k: _node(k, v, docs) for k, v in values.items()}
     extra = properties["kvTransfer"]["properties"]["lmcache"]["properties"]["extraConfig"]
-    for key in ("properties", "additionalProperties"):
-        extra.pop(key)
     extra.update(_lmcache_extra_config())
     refs = set(re.findall(r'"#/definitions/([^"]+)"', json.dumps(properties)))
     return {
@@ -297,7 +300,7 @@ def build_table(schema: dict[str, Any]) -> str:
     def walk(props: dict[str, Any], data: dict[str, Any], prefix: str) -> None:
         for key, node in props.items():
             path = f"{prefix}{key}"
-            if node.get("type") == "object" and "properties" in node:
+            if node.get("type") == "object" and "properties" in node and data.get(key):
                 walk(node["properties"], data.get(key, {}), path + ".")
                 continue
             default = json.dumps(data.get(key), separators=(",", ":")).replace("|", "\\|")

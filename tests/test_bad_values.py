@@ -1,0 +1,85 @@
+"""Bad values fail `helm template` with a message that names the field, with both Helm versions.
+Schema errors name the JSON pointer (`/prefill/replicas`); template rules name the dotted key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import helm
+
+# (values file content, strings the error must contain)
+BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "typo_top_level": ("routr:\n  replicas: 2\n", ("routr",)),
+    "typo_nested": ("prefill:\n  tensorParalelSize: 2\n", ("/prefill", "tensorParalelSize")),
+    "wrong_type_replicas": ("decode:\n  replicas: two\n", ("/decode/replicas",)),
+    "negative_replicas": ("prefill:\n  replicas: -1\n", ("/prefill/replicas",)),
+    "bad_connector_enum": ("kvTransfer:\n  connector: mooncake\n", ("/kvTransfer/connector",)),
+    "bad_backend_enum": ("kvTransfer:\n  backend: TCP\n", ("/kvTransfer/backend",)),
+    "port_out_of_range": ("ports:\n  engineHttp: 70000\n", ("/ports/engineHttp",)),
+    "zero_tensor_parallel": ("decode:\n  tensorParallelSize: 0\n", ("/decode/tensorParallelSize",)),
+    "gpu_utilisation_above_one": ("prefill:\n  gpuMemoryUtilization: 1.5\n", ("/prefill/gpuMemoryUtilization",)),
+    "retired_lmcache_key": (
+        "kvTransfer:\n  lmcache:\n    extraConfig:\n      enable_nixl: true\n",
+        ("/kvTransfer/lmcache/extraConfig", "enable_nixl"),
+    ),
+    "chart_owned_lmcache_key": (
+        "kvTransfer:\n  lmcache:\n    extraConfig:\n      pd_skip_proxy_notification: true\n",
+        ("/kvTransfer/lmcache/extraConfig", "pd_skip_proxy_notification"),
+    ),
+    "bad_toleration_type": ("prefill:\n  tolerations:\n    - key: 1\n      operator: Sometimes\n", ("/prefill/tolerations/0",)),
+    "bad_env_entry": ("engine:\n  env:\n    - value: x\n", ("/engine/env/0", "name")),
+    "bad_quantity": ("efa:\n  hugepages2Mi: lots\n", ("/efa/hugepages2Mi",)),
+    "bad_image_digest": ("engineImage:\n  digest: md5:abc\n", ("/engineImage/digest",)),
+    "bad_model_cache_type": ("modelCache:\n  type: s3\n", ("/modelCache/type",)),
+    "undersized_kv_buffer": (
+        "model:\n  maxModelLen: 8192\n  kvShape: {layers: 80, kvHeads: 8, headDim: 128, bytesPerElement: 2}\n"
+        "kvTransfer:\n  lmcache:\n    bufferSize: 1073741824\n",
+        ("kvTransfer.lmcache.bufferSize", "2684354560"),
+    ),
+    "partial_kv_shape": ("model:\n  kvShape: {layers: 80}\n", ("model.kvShape.kvHeads",)),
+    "two_routers_with_lmcache": ("kvTransfer:\n  connector: lmcache\nrouter:\n  replicas: 2\n", ("router.replicas", "nixl")),
+    "router_hpa_with_lmcache": ("router:\n  autoscaling:\n    enabled: true\n", ("router.autoscaling.enabled",)),
+    "unequal_tp_with_lmcache": ("prefill:\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 4\n", ("decode.tensorParallelSize",)),
+    "pinned_zone_vs_node_selector": (
+        "placement:\n  zone: us-east-1a\ndecode:\n  nodeSelector:\n    topology.kubernetes.io/zone: us-east-1b\n",
+        ("decode.nodeSelector", "placement.zone"),
+    ),
+    "pinned_zone_vs_affinity": (
+        "placement:\n  zone: us-east-1a\nprefill:\n  affinity:\n    nodeAffinity:\n"
+        "      requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n"
+        "          - matchExpressions:\n              - {key: topology.kubernetes.io/zone, operator: In, values: [us-east-1c]}\n",
+        ("prefill.affinity", "placement.zone"),
+    ),
+    "efa_across_zones": ("efa:\n  enabled: true\nplacement:\n  sameZone: false\n", ("placement.sameZone",)),
+    "gpu_in_resources": ("prefill:\n  resources:\n    limits:\n      nvidia.com/gpu: 4\n", ("prefill.resources.limits.nvidia.com/gpu",)),
+    "hpa_without_metrics": ("decode:\n  autoscaling:\n    enabled: true\n", ("decode.autoscaling.metrics",)),
+    "autoscaling_min_above_max": (
+        "prefill:\n  autoscaling: {enabled: true, kind: keda, minReplicas: 5, maxReplicas: 2, kedaTriggers: [{type: cpu, metadata: {}}]}\n",
+        ("prefill.autoscaling.minReplicas",),
+    ),
+    "port_collision": ("ports:\n  nixlSideChannel: 8000\n", ("ports.nixlSideChannel", "ports.engineHttp")),
+    "lmcache_port_ranges_overlap": (
+        "ports:\n  lmcacheAllocBase: 7301\ndecode:\n  tensorParallelSize: 2\nprefill:\n  tensorParallelSize: 2\n",
+        ("ports.lmcacheAllocBase",),
+    ),
+    "threshold_not_below_max_len": ("router:\n  threshold: 5000\nmodel:\n  maxModelLen: 4096\n", ("router.threshold",)),
+    "protect_metrics_without_keys": ("router:\n  auth:\n    protectMetrics: true\n", ("router.auth.protectMetrics",)),
+    "bad_kv_load_failure_policy": ("kvTransfer:\n  connector: nixl\n  nixl:\n    loadFailurePolicy: ignore\n", ("/kvTransfer/nixl/loadFailurePolicy",)),
+}
+
+
+def test_there_are_at_least_fifteen_cases() -> None:
+    assert len(BAD_VALUES) >= 15
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_bad_values_fail_naming_the_field(any_helm: Path, case: str) -> None:
+    content, expected = BAD_VALUES[case]
+    result = helm.template(any_helm, values_yaml=content)
+    assert result.returncode != 0, f"{case} rendered:\n{result.stdout[:500]}"
+    for text in expected:
+        assert text in result.stderr, f"{case}: {text!r} not in:\n{result.stderr}"
+    # A clear message, not a Go panic or a template traceback.
+    assert "panic" not in result.stderr and "goroutine" not in result.stderr

@@ -1,0 +1,142 @@
+"""The KV hand-off config per role and connector: vLLM's --kv-transfer-config and LMCache's file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests import helm
+from tests.cases import LAYERINGS
+
+ROOT = Path(__file__).resolve().parent.parent
+LMCACHE_KEYS = {
+    line.strip()
+    for line in (ROOT / "ci/data/lmcache-0.5.6-config-keys.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
+RETIRED_KEYS = {"enable_nixl", "nixl_role", "nixl_receiver_host", "nixl_receiver_port", "nixl_peer_host", "nixl_proxy_port"}
+NEVER_RENDERED = {"pd_skip_proxy_notification"}
+
+
+def container(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    sts = helm.one(docs, "StatefulSet", f"-{role}")
+    return sts["spec"]["template"]["spec"]["containers"][0]
+
+
+def kv_transfer_config(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    args = container(docs, role)["args"]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def env(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(docs, role)["env"]}
+
+
+def lmcache_config(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    cm = helm.one(docs, "ConfigMap", f"-{role}-lmcache")
+    return yaml.safe_load(cm["data"]["lmcache.yaml"])
+
+
+def test_lmcache_kv_transfer_config_per_role(h4: Path) -> None:
+    docs = helm.render(h4, sets=("kvTransfer.connector=lmcache",))
+    assert kv_transfer_config(docs, "prefill") == {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"discard_partial_chunks": False, "lmcache_rpc_port": "producer1"},
+    }
+    assert kv_transfer_config(docs, "decode") == {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {
+            "discard_partial_chunks": False,
+            "lmcache_rpc_port": "consumer1",
+            "skip_last_n_tokens": 1,
+        },
+    }
+    for role in ("prefill", "decode"):
+        assert env(docs, role)["LMCACHE_CONFIG_FILE"] == "/etc/lmcache/lmcache.yaml"
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env(docs, role)
+
+
+@pytest.mark.parametrize("efa,backend", [(False, "UCX"), (True, "LIBFABRIC")])
+def test_nixl_kv_transfer_config(h4: Path, efa: bool, backend: str) -> None:
+    docs = helm.render(h4, sets=("kvTransfer.connector=nixl", f"efa.enabled={str(efa).lower()}"))
+    for role in ("prefill", "decode"):
+        assert kv_transfer_config(docs, role) == {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"backends": [backend]},
+        }
+        e = env(docs, role)
+        assert e["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
+        assert e["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        assert "LMCACHE_CONFIG_FILE" not in e
+    assert not helm.find(docs, "ConfigMap", "-lmcache")
+
+
+def test_pythonhashseed_zero_in_both_roles_and_connectors(h4: Path) -> None:
+    for connector in ("lmcache", "nixl"):
+        docs = helm.render(h4, sets=(f"kvTransfer.connector={connector}",))
+        for role in ("prefill", "decode"):
+            assert env(docs, role)["PYTHONHASHSEED"] == "0"
+
+
+@pytest.mark.parametrize("efa,backend", [(False, "UCX"), (True, "LIBFABRIC")])
+def test_lmcache_keys_per_role(h4: Path, efa: bool, backend: str) -> None:
+    docs = helm.render(h4, sets=(f"efa.enabled={str(efa).lower()}", "decode.tensorParallelSize=4", "prefill.tensorParallelSize=4"))
+    sender, receiver = lmcache_config(docs, "prefill"), lmcache_config(docs, "decode")
+    common = {
+        "enable_pd": True,
+        "transfer_channel": "nixl",
+        "nixl_backends": [backend],
+        "local_cpu": False,
+        "pd_buffer_size": 2147483648,
+        "pd_buffer_device": "cuda",
+        "chunk_size": 256,
+    }
+    assert sender == {
+        **common,
+        "pd_role": "sender",
+        "pd_proxy_host": f"pd-pd-inference-router.{helm.NAMESPACE}.svc.cluster.local",
+        "pd_proxy_port": 7500,
+    }
+    assert receiver == {
+        **common,
+        "pd_role": "receiver",
+        "pd_peer_host": "0.0.0.0",
+        "pd_peer_init_port": [7300, 7301, 7302, 7303],
+        "pd_peer_alloc_port": [7400, 7401, 7402, 7403],
+    }
+
+
+def test_lmcache_extra_config_is_passed_to_both_roles(h4: Path) -> None:
+    docs = helm.render(h4, sets=("kvTransfer.lmcache.extraConfig.pd_allocation_timeout_sec=60",))
+    for role in ("prefill", "decode"):
+        assert lmcache_config(docs, role)["pd_allocation_timeout_sec"] == 60
+
+
+@pytest.mark.parametrize("name", LAYERINGS)
+def test_no_retired_or_unknown_lmcache_key_anywhere(h4: Path, name: str) -> None:
+    result = helm.template(h4, LAYERINGS[name], sets=("kvTransfer.connector=lmcache", "router.replicas=1"))
+    assert result.returncode == 0, result.stderr
+    for key in RETIRED_KEYS | NEVER_RENDERED:
+        assert key not in result.stdout
+    for role in ("prefill", "decode"):
+        config = lmcache_config(result.docs, role)
+        assert set(config) <= LMCACHE_KEYS, set(config) - LMCACHE_KEYS
+        assert config["enable_pd"] is True  # a real boolean: LMCache reads 'yes' as false
+
+
+def test_kv_buffer_check_accepts_a_buffer_that_fits(h4: Path) -> None:
+    # 8192 tokens x 327,680 B = 2,684,354,560 B: exactly enough passes.
+    shape = ("model.maxModelLen=8192", "model.kvShape.layers=80", "model.kvShape.kvHeads=8", "model.kvShape.headDim=128")
+    ok = helm.template(h4, sets=shape + ("kvTransfer.lmcache.bufferSize=2684354560",))
+    assert ok.returncode == 0, ok.stderr
+    short = helm.template(h4, sets=shape + ("kvTransfer.lmcache.bufferSize=2684354559",))
+    assert short.returncode != 0 and "kvTransfer.lmcache.bufferSize" in short.stderr

@@ -1,0 +1,157 @@
+"""Every port is defined once (values `ports`) and agrees across the router config, containers,
+Services, NetworkPolicies and LMCache configs; NetworkPolicies select the pods they protect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests import helm
+from tests.cases import LAYERINGS
+from tests.test_kv_config import container, lmcache_config
+
+CUSTOM_PORTS = (
+    "ports.engineHttp=8100",
+    "ports.routerHttp=8200",
+    "ports.lmcacheInitBase=9300",
+    "ports.lmcacheAllocBase=9400",
+    "ports.proxyNotification=9500",
+    "ports.nixlSideChannel=9600",
+    "prefill.tensorParallelSize=2",
+    "decode.tensorParallelSize=2",
+)
+
+
+def router_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(helm.one(docs, "ConfigMap", "-router")["data"]["router.yaml"])
+
+
+def container_ports(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, int]:
+    c = helm.one(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def service_ports(docs: list[dict[str, Any]], suffix: str) -> dict[str, int]:
+    return {p["name"]: p["port"] for p in helm.one(docs, "Service", suffix)["spec"]["ports"]}
+
+
+def policy_ports(docs: list[dict[str, Any]], suffix: str) -> set[int]:
+    policy = helm.one(docs, "NetworkPolicy", suffix)
+    return {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"] if "endPort" not in p}
+
+
+def test_lmcache_ports_agree_everywhere(h4: Path) -> None:
+    docs = helm.render(h4, sets=CUSTOM_PORTS + ("kvTransfer.connector=lmcache",))
+    init, alloc = [9300, 9301], [9400, 9401]
+    rc = router_config(docs)
+    assert rc["listen"]["port"] == 8200
+    assert rc["pools"]["prefill"]["dns"]["port"] == rc["pools"]["decode"]["dns"]["port"] == 8100
+    assert rc["lmcache"]["notifyPort"] == 9500
+    assert rc["lmcache"]["decoderInitPorts"] == init and rc["lmcache"]["decoderAllocPorts"] == alloc
+    assert rc["lmcache"]["notificationsPerRequest"] == 2
+    # LMCache configs
+    assert lmcache_config(docs, "decode")["pd_peer_init_port"] == init
+    assert lmcache_config(docs, "decode")["pd_peer_alloc_port"] == alloc
+    assert lmcache_config(docs, "prefill")["pd_proxy_port"] == 9500
+    # Containers and Services
+    assert container_ports(docs, "Deployment", "-router") == {"http": 8200, "pd-notify": 9500}
+    assert service_ports(docs, "-router") == {"http": 8000, "pd-notify": 9500}
+    decode_ports = {"http": 8100, "lmc-init-0": 9300, "lmc-alloc-0": 9400, "lmc-init-1": 9301, "lmc-alloc-1": 9401}
+    assert container_ports(docs, "StatefulSet", "-decode") == decode_ports
+    assert service_ports(docs, "-decode") == decode_ports
+    assert container_ports(docs, "StatefulSet", "-prefill") == {"http": 8100} == service_ports(docs, "-prefill")
+    # NetworkPolicies
+    assert policy_ports(docs, "-router") == {8200, 9500}
+    assert policy_ports(docs, "-decode") == {8100, *init, *alloc}
+    assert policy_ports(docs, "-prefill") == {8100}
+    # Probes use the named port.
+    assert container(docs, "decode")["readinessProbe"]["httpGet"]["port"] == "http"
+    assert "--port=8100" in container(docs, "decode")["args"]
+
+
+def test_nixl_ports_agree_everywhere(h4: Path) -> None:
+    docs = helm.render(h4, sets=CUSTOM_PORTS + ("kvTransfer.connector=nixl",))
+    for role in ("prefill", "decode"):
+        assert container_ports(docs, "StatefulSet", f"-{role}") == {"http": 8100, "nixl-side": 9600}
+        assert service_ports(docs, f"-{role}") == {"http": 8100, "nixl-side": 9600}
+        assert policy_ports(docs, f"-{role}") == {8100, 9600}
+        env = {e["name"]: e.get("value") for e in container(docs, role)["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9600"
+    assert container_ports(docs, "Deployment", "-router") == {"http": 8200}
+    assert policy_ports(docs, "-router") == {8200}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    pods = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    pods["helm-test"] = helm.one(docs, "Pod", "-helm-test")["metadata"]["labels"]
+    return pods
+
+
+@pytest.mark.parametrize("name", LAYERINGS)
+def test_network_policies_select_the_pods_they_protect(h4: Path, name: str) -> None:
+    docs = helm.render(h4, LAYERINGS[name])
+    pods = _pod_labels(docs)
+    for component in ("router", "prefill", "decode"):
+        policy = helm.one(docs, "NetworkPolicy", f"-{component}")
+        selected = {c for c, labels in pods.items() if _selects(policy["spec"]["podSelector"], labels)}
+        assert selected == {component}
+        # Every workload Service selects exactly its own pods.
+        svc = helm.one(docs, "Service", f"-{component}")
+        assert {c for c, labels in pods.items() if _selects({"matchLabels": svc["spec"]["selector"]}, labels)} == {component}
+
+
+def _allowed_from(policy: dict[str, Any], port: int, pods: dict[str, dict[str, str]]) -> set[str]:
+    allowed: set[str] = set()
+    for rule in policy["spec"]["ingress"]:
+        if not any(p["port"] == port or p.get("endPort", 0) >= port >= p["port"] for p in rule["ports"]):
+            continue
+        if "from" not in rule:
+            return {"anyone"}
+        for peer in rule["from"]:
+            if "podSelector" in peer and "namespaceSelector" not in peer:
+                allowed |= {c for c, labels in pods.items() if _selects(peer["podSelector"], labels)}
+            else:
+                allowed.add("external")
+    return allowed
+
+
+def test_engines_accept_http_from_router_and_kv_from_other_role(h4: Path) -> None:
+    docs = helm.render(h4, sets=("networkPolicy.allowEphemeralKvPorts=false",))
+    pods = _pod_labels(docs)
+    decode, prefill = helm.one(docs, "NetworkPolicy", "-decode"), helm.one(docs, "NetworkPolicy", "-prefill")
+    assert _allowed_from(decode, 8000, pods) == {"router"}
+    assert _allowed_from(prefill, 8000, pods) == {"router"}
+    assert _allowed_from(decode, 7300, pods) == {"prefill"}
+    assert _allowed_from(decode, 7400, pods) == {"prefill"}
+    assert _allowed_from(prefill, 7300, pods) == set()
+    router = helm.one(docs, "NetworkPolicy", "-router")
+    assert _allowed_from(router, 7500, pods) == {"prefill"}
+    assert _allowed_from(router, 8000, pods) == {"anyone"}
+
+
+def test_router_ingress_can_be_restricted_and_helm_test_still_reaches_it(h4: Path) -> None:
+    docs = helm.render(h4, ("values/prod.yaml",))
+    router = helm.one(docs, "NetworkPolicy", "-router")
+    assert _allowed_from(router, 8000, _pod_labels(docs)) == {"helm-test", "external"}
+
+
+def test_ephemeral_kv_ports_only_from_the_other_role(h4: Path) -> None:
+    docs = helm.render(h4)
+    pods = _pod_labels(docs)
+    assert _allowed_from(helm.one(docs, "NetworkPolicy", "-decode"), 40000, pods) == {"prefill"}
+    assert _allowed_from(helm.one(docs, "NetworkPolicy", "-prefill"), 40000, pods) == {"decode"}
+
+
+def test_network_policies_can_be_turned_off(h4: Path) -> None:
+    assert not helm.find(helm.render(h4, sets=("networkPolicy.enabled=false",)), "NetworkPolicy")

@@ -1,0 +1,238 @@
+"""What matters in the engine and router pods: accelerators, EFA, security, placement, probes,
+PDBs, autoscaling, checksums, images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import helm
+from tests.test_kv_config import container
+
+ZONE = "topology.kubernetes.io/zone"
+
+
+def pod_spec(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    return helm.one(docs, kind, suffix)["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpus_equal_tensor_parallel_size(h4: Path, tp: int) -> None:
+    docs = helm.render(h4, sets=(f"prefill.tensorParallelSize={tp}", f"decode.tensorParallelSize={tp}"))
+    for role in ("prefill", "decode"):
+        c = container(docs, role)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == tp
+        assert f"--tensor-parallel-size={tp}" in c["args"]
+
+
+def test_efa_switch_adds_devices_hugepages_and_ipc_lock(h4: Path) -> None:
+    off = helm.render(h4)
+    on = helm.render(h4, sets=("efa.enabled=true", "efa.devices=32"))
+    for role in ("prefill", "decode"):
+        c_off, c_on = container(off, role), container(on, role)
+        for kind in ("requests", "limits"):
+            assert "vpc.amazonaws.com/efa" not in c_off["resources"][kind]
+            assert "hugepages-2Mi" not in c_off["resources"][kind]
+            assert c_on["resources"][kind]["vpc.amazonaws.com/efa"] == 32
+            assert c_on["resources"][kind]["hugepages-2Mi"] == "5120Mi"
+            # User resources survive the merge.
+            assert "memory" in c_on["resources"][kind]
+        assert "add" not in c_off["securityContext"]["capabilities"]
+        assert c_on["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert c_on["securityContext"]["privileged"] is False
+        assert {"name": "FI_PROVIDER", "value": "efa"} in c_on["env"]
+
+
+def test_privileged_is_a_separate_opt_in(h4: Path) -> None:
+    docs = helm.render(h4, sets=("efa.enabled=true", "efa.privileged=true"))
+    for role in ("prefill", "decode"):
+        assert container(docs, role)["securityContext"]["privileged"] is True
+
+
+@pytest.mark.parametrize("kind,suffix", [("StatefulSet", "-prefill"), ("StatefulSet", "-decode"), ("Deployment", "-router")])
+def test_pods_are_non_root_and_locked_down(h4: Path, kind: str, suffix: str) -> None:
+    spec = pod_spec(helm.render(h4), kind, suffix)
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["automountServiceAccountToken"] is False
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_same_zone_affinity_by_default(h4: Path) -> None:
+    docs = helm.render(h4)
+    prefill_selector = helm.one(docs, "StatefulSet", "-prefill")["spec"]["selector"]["matchLabels"]
+    for role in ("prefill", "decode"):
+        terms = pod_spec(docs, "StatefulSet", f"-{role}")["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        # Both roles follow the prefillers' zone (decoders towards the other role).
+        assert terms == [{"topologyKey": ZONE, "labelSelector": {"matchLabels": prefill_selector}}]
+
+
+def test_pinned_zone_replaces_pod_affinity(h4: Path) -> None:
+    docs = helm.render(h4, sets=("placement.zone=us-east-2b",))
+    for role in ("prefill", "decode"):
+        spec = pod_spec(docs, "StatefulSet", f"-{role}")
+        assert spec["nodeSelector"][ZONE] == "us-east-2b"
+        assert "affinity" not in spec
+
+
+def test_user_affinity_is_merged_with_zone_affinity(h4: Path) -> None:
+    values = (
+        "decode:\n  affinity:\n    podAffinity:\n      requiredDuringSchedulingIgnoredDuringExecution:\n"
+        "        - topologyKey: kubernetes.io/hostname\n          labelSelector: {matchLabels: {cache: warm}}\n"
+    )
+    terms = pod_spec(helm.render(h4, values_yaml=values), "StatefulSet", "-decode")["affinity"]["podAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert [t["topologyKey"] for t in terms] == ["kubernetes.io/hostname", ZONE]
+
+
+@pytest.mark.parametrize("mode,when", [("required", "DoNotSchedule"), ("preferred", "ScheduleAnyway")])
+def test_spread_across_nodes(h4: Path, mode: str, when: str) -> None:
+    docs = helm.render(h4, sets=(f"decode.spreadAcrossNodes={mode}",))
+    (constraint,) = pod_spec(docs, "StatefulSet", "-decode")["topologySpreadConstraints"]
+    assert constraint["whenUnsatisfiable"] == when and constraint["topologyKey"] == "kubernetes.io/hostname"
+    assert "topologySpreadConstraints" not in pod_spec(docs, "StatefulSet", "-prefill")
+
+
+def test_instance_type_selector_and_gpu_toleration(h4: Path) -> None:
+    docs = helm.render(h4, ("values/profiles/llama-3.3-70b-p5.yaml",))
+    for role in ("prefill", "decode"):
+        spec = pod_spec(docs, "StatefulSet", f"-{role}")
+        assert spec["nodeSelector"]["node.kubernetes.io/instance-type"] == "p5.48xlarge"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+
+def test_engine_pod_volumes_probes_and_secrets(h4: Path) -> None:
+    docs = helm.render(h4, sets=("model.hfTokenSecret.name=hf", "prefill.shmSize=32Gi"))
+    spec = pod_spec(docs, "StatefulSet", "-prefill")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    c = container(docs, "prefill")
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in c["env"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+    # Long enough to load a 70B model from a cold cache: at least 20 minutes.
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1200
+
+
+@pytest.mark.parametrize("cache", ["pvc", "hostPath", "emptyDir"])
+def test_model_cache_choice(h4: Path, cache: str) -> None:
+    docs = helm.render(h4, sets=(f"modelCache.type={cache}",))
+    sts = helm.one(docs, "StatefulSet", "-decode")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    if cache == "pvc":
+        assert "model-cache" not in volumes
+        assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "model-cache"
+    else:
+        assert cache in volumes["model-cache"] and "volumeClaimTemplates" not in sts["spec"]
+
+
+@pytest.mark.parametrize("replicas,expected", [(1, False), (2, True)])
+def test_pdb_only_when_more_than_one_replica(h4: Path, replicas: int, expected: bool) -> None:
+    docs = helm.render(
+        h4,
+        sets=(
+            "kvTransfer.connector=nixl",
+            f"router.replicas={replicas}",
+            f"prefill.replicas={replicas}",
+            f"decode.replicas={replicas}",
+        ),
+    )
+    names = {d["metadata"]["name"] for d in helm.find(docs, "PodDisruptionBudget")}
+    for component in ("router", "prefill", "decode"):
+        assert (f"pd-pd-inference-{component}" in names) is expected
+
+
+def test_pdb_follows_autoscaling_min_replicas(h4: Path) -> None:
+    keda = "decode:\n  replicas: 1\n  autoscaling: {enabled: true, kind: keda, minReplicas: 2, maxReplicas: 4, kedaTriggers: [{type: cpu, metadata: {value: '50'}}]}\n"
+    docs = helm.render(h4, values_yaml=keda)
+    assert helm.one(docs, "PodDisruptionBudget", "-decode")
+    assert "replicas" not in helm.one(docs, "StatefulSet", "-decode")["spec"]
+    so = helm.one(docs, "ScaledObject", "-decode")
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "pd-pd-inference-decode"}
+
+
+def test_hpa_for_an_engine_role(h4: Path) -> None:
+    values = (
+        "prefill:\n  autoscaling:\n    enabled: true\n    metrics:\n      - type: Pods\n        pods:\n"
+        "          metric: {name: vllm_num_requests_waiting}\n          target: {type: AverageValue, averageValue: '4'}\n"
+    )
+    docs = helm.render(h4, values_yaml=values)
+    hpa = helm.one(docs, "HorizontalPodAutoscaler", "-prefill")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
+
+
+@pytest.mark.parametrize(
+    "change,changed",
+    [
+        ("router.threshold=2048", {"router"}),
+        ("kvTransfer.lmcache.bufferSize=4294967296", {"prefill", "decode"}),
+        ("ports.proxyNotification=7600", {"router", "prefill"}),
+        ("kvTransfer.connector=nixl", {"router", "prefill", "decode"}),
+    ],
+)
+def test_checksum_changes_with_config(h4: Path, change: str, changed: set[str]) -> None:
+    def checksums(docs: list[dict[str, Any]]) -> dict[str, str]:
+        return {
+            d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+            for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")
+        }
+
+    before, after = checksums(helm.render(h4)), checksums(helm.render(h4, sets=(change,)))
+    assert {c for c in before if before[c] != after[c]} == changed
+
+
+def test_images_by_tag_or_digest(h4: Path) -> None:
+    digest = "sha256:" + "a" * 64
+    docs = helm.render(h4)
+    assert container(docs, "decode")["image"] == "lmcache/vllm-openai:v0.5.6"
+    assert pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == "ghcr.io/pd-inference/pd-router:0.1.0"
+    docs = helm.render(h4, sets=(f"engineImage.digest={digest}", f"router.image.digest={digest}"))
+    assert container(docs, "decode")["image"] == f"lmcache/vllm-openai@{digest}"
+    assert pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == f"ghcr.io/pd-inference/pd-router@{digest}"
+
+
+def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
+    for doc in helm.render(h4):
+        labels = doc["metadata"]["labels"]
+        for key in ("name", "instance", "component", "version", "managed-by", "part-of"):
+            assert f"app.kubernetes.io/{key}" in labels, (doc["kind"], key)
+        assert labels["helm.sh/chart"] == "pd-inference-0.1.0"
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            selector = doc["spec"]["selector"]["matchLabels"]
+            assert set(selector) == {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"}
+
+
+def test_lmcache_router_is_single_and_recreated(h4: Path) -> None:
+    deploy = helm.one(helm.render(h4, sets=("kvTransfer.connector=lmcache",)), "Deployment", "-router")
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    deploy = helm.one(helm.render(h4, sets=("kvTransfer.connector=nixl", "router.replicas=3")), "Deployment", "-router")
+    assert deploy["spec"]["replicas"] == 3 and "strategy" not in deploy["spec"]
+
+
+@pytest.mark.parametrize("kind,value", [("ServiceMonitor", "metrics.serviceMonitor.enabled"), ("PodMonitor", "metrics.podMonitor.enabled")])
+def test_monitors_need_the_crd_and_the_value(h4: Path, kind: str, value: str) -> None:
+    crd = ("--api-versions", f"monitoring.coreos.com/v1/{kind}")
+    assert not helm.find(helm.render(h4, sets=(f"{value}=true",)), kind)
+    assert not helm.find(helm.render(h4, extra=crd), kind)
+    assert len(helm.find(helm.render(h4, sets=(f"{value}=true",), extra=crd), kind)) == 1
+
+
+def test_helm_test_pod_sends_a_short_and_a_long_request(h4: Path) -> None:
+    docs = helm.render(h4, sets=("router.threshold=300",))
+    pod = helm.one(docs, "Pod", "-helm-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    script = c["args"][0]
+    assert '"short"' in script and '"long"' in script and "x-pd-route" in script
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["THRESHOLD"] == "300"
+    assert env["ROUTER_URL"] == f"http://pd-pd-inference-router.{helm.NAMESPACE}.svc.cluster.local:8000"
