@@ -145,7 +145,6 @@ RULES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-
 def _expand(pattern: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", pattern)
     if not match:
@@ -230,11 +229,7 @@ def _node(path: str, value: Any, docs: dict[str, str]) -> dict[str, Any]:
 
 
 def _lmcache_extra_config() -> dict[str, Any]:
-    keys = [
-        line.strip()
-        for line in LMCACHE_KEYS.read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
+    keys = [line.strip() for line in LMCACHE_KEYS.read_text().splitlines() if line.strip() and not line.startswith("#")]
     allowed = sorted(set(keys) - LMCACHE_CHART_OWNED)
     # Listed as properties (not propertyNames) so Helm's error names the object and the bad key.
     return {
@@ -256,7 +251,9 @@ def _k8s_definitions(roots: set[str]) -> dict[str, Any]:
         if name in wanted:
             continue
         definition = json.loads(
-            json.dumps(all_defs[name]).replace("/api/_definitions.json#/$defs/", "#/definitions/").replace("\"#/$defs/", "\"#/definitions/")
+            json.dumps(all_defs[name])
+            .replace("/api/_definitions.json#/$defs/", "#/definitions/")
+            .replace('"#/$defs/', '"#/definitions/')
         )
         wanted[name] = definition
         todo.extend(re.findall(r'"#/definitions/([^"]+)"', json.dumps(definition)))

@@ -1,7 +1,7 @@
 """The environments catalog (argocd/environments/*.yaml), shared by Makefile, ci/ and tests.
 
-    python ci/envs.py list           # environment names
-    python ci/envs.py files ENV      # its value files, in layering order
+python ci/envs.py list           # environment names
+python ci/envs.py files ENV      # its value files, in layering order
 """
 
 from __future__ import annotations

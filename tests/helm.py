@@ -43,7 +43,7 @@ class Result:
         return [d for d in yaml.safe_load_all(self.stdout) if d]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(args: tuple[str, ...]) -> Result:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
     return Result(proc.returncode, proc.stdout, proc.stderr)
@@ -71,7 +71,7 @@ def template(
     return _run(tuple(args) + extra)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _values_file(text: str) -> Path:
     import hashlib
     import tempfile

@@ -28,7 +28,10 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "kvTransfer:\n  lmcache:\n    extraConfig:\n      pd_skip_proxy_notification: true\n",
         ("/kvTransfer/lmcache/extraConfig", "pd_skip_proxy_notification"),
     ),
-    "bad_toleration_type": ("prefill:\n  tolerations:\n    - key: 1\n      operator: Sometimes\n", ("/prefill/tolerations/0",)),
+    "bad_toleration_type": (
+        "prefill:\n  tolerations:\n    - key: 1\n      operator: Sometimes\n",
+        ("/prefill/tolerations/0",),
+    ),
     "bad_env_entry": ("engine:\n  env:\n    - value: x\n", ("/engine/env/0", "name")),
     "bad_quantity": ("efa:\n  hugepages2Mi: lots\n", ("/efa/hugepages2Mi",)),
     "bad_image_digest": ("engineImage:\n  digest: md5:abc\n", ("/engineImage/digest",)),
@@ -39,9 +42,15 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("kvTransfer.lmcache.bufferSize", "2684354560"),
     ),
     "partial_kv_shape": ("model:\n  kvShape: {layers: 80}\n", ("model.kvShape.kvHeads",)),
-    "two_routers_with_lmcache": ("kvTransfer:\n  connector: lmcache\nrouter:\n  replicas: 2\n", ("router.replicas", "nixl")),
+    "two_routers_with_lmcache": (
+        "kvTransfer:\n  connector: lmcache\nrouter:\n  replicas: 2\n",
+        ("router.replicas", "nixl"),
+    ),
     "router_hpa_with_lmcache": ("router:\n  autoscaling:\n    enabled: true\n", ("router.autoscaling.enabled",)),
-    "unequal_tp_with_lmcache": ("prefill:\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 4\n", ("decode.tensorParallelSize",)),
+    "unequal_tp_with_lmcache": (
+        "prefill:\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 4\n",
+        ("decode.tensorParallelSize",),
+    ),
     "pinned_zone_vs_node_selector": (
         "placement:\n  zone: us-east-1a\ndecode:\n  nodeSelector:\n    topology.kubernetes.io/zone: us-east-1b\n",
         ("decode.nodeSelector", "placement.zone"),
@@ -53,7 +62,10 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("prefill.affinity", "placement.zone"),
     ),
     "efa_across_zones": ("efa:\n  enabled: true\nplacement:\n  sameZone: false\n", ("placement.sameZone",)),
-    "gpu_in_resources": ("prefill:\n  resources:\n    limits:\n      nvidia.com/gpu: 4\n", ("prefill.resources.limits.nvidia.com/gpu",)),
+    "gpu_in_resources": (
+        "prefill:\n  resources:\n    limits:\n      nvidia.com/gpu: 4\n",
+        ("prefill.resources.limits.nvidia.com/gpu",),
+    ),
     "hpa_without_metrics": ("decode:\n  autoscaling:\n    enabled: true\n", ("decode.autoscaling.metrics",)),
     "autoscaling_min_above_max": (
         "prefill:\n  autoscaling: {enabled: true, kind: keda, minReplicas: 5, maxReplicas: 2, kedaTriggers: [{type: cpu, metadata: {}}]}\n",
@@ -66,7 +78,10 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "threshold_not_below_max_len": ("router:\n  threshold: 5000\nmodel:\n  maxModelLen: 4096\n", ("router.threshold",)),
     "protect_metrics_without_keys": ("router:\n  auth:\n    protectMetrics: true\n", ("router.auth.protectMetrics",)),
-    "bad_kv_load_failure_policy": ("kvTransfer:\n  connector: nixl\n  nixl:\n    loadFailurePolicy: ignore\n", ("/kvTransfer/nixl/loadFailurePolicy",)),
+    "bad_kv_load_failure_policy": (
+        "kvTransfer:\n  connector: nixl\n  nixl:\n    loadFailurePolicy: ignore\n",
+        ("/kvTransfer/nixl/loadFailurePolicy",),
+    ),
 }
 
 

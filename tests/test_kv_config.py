@@ -18,7 +18,14 @@ LMCACHE_KEYS = {
     for line in (ROOT / "ci/data/lmcache-0.5.6-config-keys.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 }
-RETIRED_KEYS = {"enable_nixl", "nixl_role", "nixl_receiver_host", "nixl_receiver_port", "nixl_peer_host", "nixl_proxy_port"}
+RETIRED_KEYS = {
+    "enable_nixl",
+    "nixl_role",
+    "nixl_receiver_host",
+    "nixl_receiver_port",
+    "nixl_peer_host",
+    "nixl_proxy_port",
+}
 NEVER_RENDERED = {"pd_skip_proxy_notification"}
 
 
@@ -89,7 +96,9 @@ def test_pythonhashseed_zero_in_both_roles_and_connectors(h4: Path) -> None:
 
 @pytest.mark.parametrize("efa,backend", [(False, "UCX"), (True, "LIBFABRIC")])
 def test_lmcache_keys_per_role(h4: Path, efa: bool, backend: str) -> None:
-    docs = helm.render(h4, sets=(f"efa.enabled={str(efa).lower()}", "decode.tensorParallelSize=4", "prefill.tensorParallelSize=4"))
+    docs = helm.render(
+        h4, sets=(f"efa.enabled={str(efa).lower()}", "decode.tensorParallelSize=4", "prefill.tensorParallelSize=4")
+    )
     sender, receiver = lmcache_config(docs, "prefill"), lmcache_config(docs, "decode")
     common = {
         "enable_pd": True,
@@ -135,7 +144,12 @@ def test_no_retired_or_unknown_lmcache_key_anywhere(h4: Path, name: str) -> None
 
 def test_kv_buffer_check_accepts_a_buffer_that_fits(h4: Path) -> None:
     # 8192 tokens x 327,680 B = 2,684,354,560 B: exactly enough passes.
-    shape = ("model.maxModelLen=8192", "model.kvShape.layers=80", "model.kvShape.kvHeads=8", "model.kvShape.headDim=128")
+    shape = (
+        "model.maxModelLen=8192",
+        "model.kvShape.layers=80",
+        "model.kvShape.kvHeads=8",
+        "model.kvShape.headDim=128",
+    )
     ok = helm.template(h4, sets=shape + ("kvTransfer.lmcache.bufferSize=2684354560",))
     assert ok.returncode == 0, ok.stderr
     short = helm.template(h4, sets=shape + ("kvTransfer.lmcache.bufferSize=2684354559",))

@@ -108,7 +108,9 @@ def test_network_policies_select_the_pods_they_protect(h4: Path, name: str) -> N
         assert selected == {component}
         # Every workload Service selects exactly its own pods.
         svc = helm.one(docs, "Service", f"-{component}")
-        assert {c for c, labels in pods.items() if _selects({"matchLabels": svc["spec"]["selector"]}, labels)} == {component}
+        assert {c for c, labels in pods.items() if _selects({"matchLabels": svc["spec"]["selector"]}, labels)} == {
+            component
+        }
 
 
 def _allowed_from(policy: dict[str, Any], port: int, pods: dict[str, dict[str, str]]) -> set[str]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import kubernetes_validate
-from kubernetes_validate.utils import all_versions
 import pytest
+from kubernetes_validate.utils import all_versions
 
 from tests import helm
 from tests.cases import LAYERINGS, VALUES_FILES
@@ -72,7 +72,9 @@ def test_schema_is_packaged(tmp_path: Path, any_helm: Path) -> None:
     import subprocess
     import tarfile
 
-    subprocess.run([str(any_helm), "package", str(helm.CHART), "-d", str(tmp_path)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [str(any_helm), "package", str(helm.CHART), "-d", str(tmp_path)], check=True, capture_output=True, timeout=60
+    )
     (archive,) = tmp_path.glob("*.tgz")
     with tarfile.open(archive) as tar:
         assert "pd-inference/values.schema.json" in tar.getnames()

@@ -52,7 +52,9 @@ def test_privileged_is_a_separate_opt_in(h4: Path) -> None:
         assert container(docs, role)["securityContext"]["privileged"] is True
 
 
-@pytest.mark.parametrize("kind,suffix", [("StatefulSet", "-prefill"), ("StatefulSet", "-decode"), ("Deployment", "-router")])
+@pytest.mark.parametrize(
+    "kind,suffix", [("StatefulSet", "-prefill"), ("StatefulSet", "-decode"), ("Deployment", "-router")]
+)
 def test_pods_are_non_root_and_locked_down(h4: Path, kind: str, suffix: str) -> None:
     spec = pod_spec(helm.render(h4), kind, suffix)
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -68,7 +70,9 @@ def test_same_zone_affinity_by_default(h4: Path) -> None:
     docs = helm.render(h4)
     prefill_selector = helm.one(docs, "StatefulSet", "-prefill")["spec"]["selector"]["matchLabels"]
     for role in ("prefill", "decode"):
-        terms = pod_spec(docs, "StatefulSet", f"-{role}")["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        terms = pod_spec(docs, "StatefulSet", f"-{role}")["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
         # Both roles follow the prefillers' zone (decoders towards the other role).
         assert terms == [{"topologyKey": ZONE, "labelSelector": {"matchLabels": prefill_selector}}]
 
@@ -155,7 +159,11 @@ def test_pdb_follows_autoscaling_min_replicas(h4: Path) -> None:
     assert helm.one(docs, "PodDisruptionBudget", "-decode")
     assert "replicas" not in helm.one(docs, "StatefulSet", "-decode")["spec"]
     so = helm.one(docs, "ScaledObject", "-decode")
-    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "pd-pd-inference-decode"}
+    assert so["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": "pd-pd-inference-decode",
+    }
 
 
 def test_hpa_for_an_engine_role(h4: Path) -> None:
@@ -181,7 +189,9 @@ def test_hpa_for_an_engine_role(h4: Path) -> None:
 def test_checksum_changes_with_config(h4: Path, change: str, changed: set[str]) -> None:
     def checksums(docs: list[dict[str, Any]]) -> dict[str, str]:
         return {
-            d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+            d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["metadata"]["annotations"][
+                "checksum/config"
+            ]
             for d in docs
             if d["kind"] in ("Deployment", "StatefulSet")
         }
@@ -197,7 +207,9 @@ def test_images_by_tag_or_digest(h4: Path) -> None:
     assert pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == "ghcr.io/pd-inference/pd-router:0.1.0"
     docs = helm.render(h4, sets=(f"engineImage.digest={digest}", f"router.image.digest={digest}"))
     assert container(docs, "decode")["image"] == f"lmcache/vllm-openai@{digest}"
-    assert pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == f"ghcr.io/pd-inference/pd-router@{digest}"
+    assert (
+        pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == f"ghcr.io/pd-inference/pd-router@{digest}"
+    )
 
 
 def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
@@ -208,7 +220,11 @@ def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
         assert labels["helm.sh/chart"] == "pd-inference-0.1.0"
         if doc["kind"] in ("Deployment", "StatefulSet"):
             selector = doc["spec"]["selector"]["matchLabels"]
-            assert set(selector) == {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"}
+            assert set(selector) == {
+                "app.kubernetes.io/name",
+                "app.kubernetes.io/instance",
+                "app.kubernetes.io/component",
+            }
 
 
 def test_lmcache_router_is_single_and_recreated(h4: Path) -> None:
@@ -218,7 +234,9 @@ def test_lmcache_router_is_single_and_recreated(h4: Path) -> None:
     assert deploy["spec"]["replicas"] == 3 and "strategy" not in deploy["spec"]
 
 
-@pytest.mark.parametrize("kind,value", [("ServiceMonitor", "metrics.serviceMonitor.enabled"), ("PodMonitor", "metrics.podMonitor.enabled")])
+@pytest.mark.parametrize(
+    "kind,value", [("ServiceMonitor", "metrics.serviceMonitor.enabled"), ("PodMonitor", "metrics.podMonitor.enabled")]
+)
 def test_monitors_need_the_crd_and_the_value(h4: Path, kind: str, value: str) -> None:
     crd = ("--api-versions", f"monitoring.coreos.com/v1/{kind}")
     assert not helm.find(helm.render(h4, sets=(f"{value}=true",)), kind)

@@ -1,0 +1,48 @@
+"""The router ConfigMap the chart renders is loaded by the router's own config loader, for the
+defaults, every values file and every environment layering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pd_router.config import ConfigError, load_config
+
+from tests import helm
+from tests.cases import LAYERINGS
+
+
+def _write_router_config(h4: Path, files: tuple[str, ...], tmp_path: Path, sets: tuple[str, ...] = ()) -> Path:
+    docs = helm.render(h4, files, sets)
+    path = tmp_path / "router.yaml"
+    path.write_text(helm.one(docs, "ConfigMap", "-router")["data"]["router.yaml"])
+    return path
+
+
+@pytest.mark.parametrize("name", LAYERINGS)
+def test_rendered_router_config_loads(h4: Path, name: str, tmp_path: Path) -> None:
+    config = load_config(_write_router_config(h4, LAYERINGS[name], tmp_path), env={})
+    docs = helm.render(h4, LAYERINGS[name])
+    values_threshold = int(
+        next(
+            e for e in helm.one(docs, "Pod", "-helm-test")["spec"]["containers"][0]["env"] if e["name"] == "THRESHOLD"
+        )["value"]
+    )
+    assert config.routing.threshold == values_threshold
+    assert config.pools.decode.discovery == "dns"
+    assert config.pools.decode.dns.name.startswith("pd-pd-inference-decode.")
+
+
+def test_rendered_config_carries_the_chosen_values(h4: Path, tmp_path: Path) -> None:
+    sets = ("kvTransfer.connector=nixl", "router.threshold=0", "router.sessionAffinityHeader=x-session-id")
+    config = load_config(_write_router_config(h4, (), tmp_path, sets), env={})
+    assert config.routing.connector == "nixl"
+    assert config.routing.threshold == 0
+    assert config.routing.session_affinity_header == "x-session-id"
+
+
+def test_loader_rejects_what_the_chart_must_never_render(h4: Path, tmp_path: Path) -> None:
+    path = _write_router_config(h4, (), tmp_path)
+    path.write_text(path.read_text().replace("threshold:", "treshold:"))
+    with pytest.raises(ConfigError, match="routing.treshold"):
+        load_config(path, env={})
