@@ -28,7 +28,7 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- if $lmcache -}}
 {{- $need := include "pd-inference.kvBytesPerRequest" . | int64 -}}
 {{- if lt (int64 $v.kvTransfer.lmcache.bufferSize) $need -}}
-{{- fail (printf "kvTransfer.lmcache.bufferSize: %d bytes cannot hold the KV of one %d-token request (%d bytes for the given model.kvShape)" (int64 $v.kvTransfer.lmcache.bufferSize) (int $v.model.maxModelLen) $need) -}}
+{{- fail (printf "kvTransfer.lmcache.bufferSize: %d bytes per worker cannot hold one TP rank's share of the KV of a %d-token request (%d bytes for model.kvShape at tensorParallelSize %d)" (int64 $v.kvTransfer.lmcache.bufferSize) (int $v.model.maxModelLen) $need (int $v.decode.tensorParallelSize)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -61,13 +61,17 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
 {{- end -}}
 
 {{/*
-KV bytes of one max-length request, for the pd_buffer_size check: 2 (K and V) x layers x KV heads x
-head dim x bytes per element x tokens, with tokens rounded up to whole LMCache chunks.
+KV bytes of one max-length request held by ONE engine worker (TP rank), for the pd_buffer_size
+check: LMCache gives every worker its own buffer, and tensor parallelism splits the KV heads over
+the ranks (a rank holds at least one head). So: 2 (K and V) x layers x ceil(KV heads / TP) x head
+dim x bytes per element x tokens, with tokens rounded up to whole LMCache chunks.
 */}}
 {{- define "pd-inference.kvBytesPerRequest" -}}
 {{- $v := .Values -}}
 {{- $s := $v.model.kvShape -}}
 {{- $chunk := int64 $v.kvTransfer.lmcache.chunkSize -}}
 {{- $tokens := mul (div (add (int64 $v.model.maxModelLen) (sub $chunk 1)) $chunk) $chunk -}}
-{{- mul 2 (int64 $s.layers) (int64 $s.kvHeads) (int64 $s.headDim) (int64 $s.bytesPerElement) $tokens -}}
+{{- $tp := int64 $v.decode.tensorParallelSize -}}
+{{- $headsPerRank := div (add (int64 $s.kvHeads) (sub $tp 1)) $tp -}}
+{{- mul 2 (int64 $s.layers) $headsPerRank (int64 $s.headDim) (int64 $s.bytesPerElement) $tokens -}}
 {{- end -}}
