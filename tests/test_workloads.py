@@ -118,7 +118,15 @@ def test_engine_pod_volumes_probes_and_secrets(h4: Path) -> None:
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     c = container(docs, "prefill")
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in c["env"]
+    # The token is a mounted file, never an env var.
+    assert {"name": "HF_TOKEN_PATH", "value": "/var/run/secrets/huggingface/token"} in c["env"]
+    assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    assert volumes["hf-token"]["secret"] == {
+        "secretName": "hf",
+        "defaultMode": 0o440,
+        "items": [{"key": "token", "path": "token"}],
+    }
+    assert {"name": "hf-token", "mountPath": "/var/run/secrets/huggingface", "readOnly": True} in c["volumeMounts"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["path"] == "/health"
     # Long enough to load a 70B model from a cold cache: at least 20 minutes.

@@ -1,0 +1,80 @@
+"""Render every environment exactly as its Argo CD Application does and validate each object
+against the Kubernetes OpenAPI schemas (oldest supported and newest known version, strict).
+Writes build/rendered/<env>.yaml for the next steps (checkov).
+
+    python ci/render.py [--helm PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+from kubernetes_validate.utils import all_versions
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ci import gitops  # noqa: E402
+
+# Custom resources: not in Kubernetes' OpenAPI (their operators validate them on apply).
+CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
+MIN_KUBE = "1.29"
+
+
+def kube_versions() -> list[str]:
+    versions = [v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 29)]
+    return [versions[0], versions[-1]]
+
+
+def render(helm: str, app: dict) -> str:
+    args = [helm, *gitops.helm_template_args(app), *gitops.CLUSTER_CAPABILITIES]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{app['metadata']['name']}: helm template failed:\n{proc.stderr}")
+    return proc.stdout
+
+
+def validate(docs: list[dict]) -> list[str]:
+    errors = []
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        for version in kube_versions():
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                path = "/".join(map(str, exc.path))
+                errors.append(f"Kubernetes {version} {doc['kind']}/{doc['metadata']['name']}: /{path}: {exc.message}")
+    return errors
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--helm", default=str(ROOT / ".tools" / "helm-v4.2.1" / "helm"))
+    parser.add_argument("--out", default=str(ROOT / "build" / "rendered"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = False
+    for env, app in sorted(gitops.environment_applications().items()):
+        text = render(args.helm, app)
+        docs = [d for d in yaml.safe_load_all(text) if d]
+        (out / f"{env}.yaml").write_text(text)
+        errors = validate(docs)
+        for e in errors:
+            print(f"{env}: {e}", file=sys.stderr)
+        failed |= bool(errors)
+        if not errors:
+            kinds = sorted({d["kind"] for d in docs})
+            print(
+                f"ok: {env}: {len(docs)} objects ({', '.join(kinds)}) valid for Kubernetes {' and '.join(kube_versions())}"
+            )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

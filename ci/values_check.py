@@ -1,0 +1,98 @@
+"""Validate every values file, and every environment's layering, against the chart's values.schema.json.
+
+Each check merges like Helm (chart values.yaml, then the files in order: maps merge, anything else
+is replaced, `null` removes the key) and validates the result, so a wrong key or value is reported
+with the file(s) and the JSON pointer of the field, e.g.
+
+    values/prod.yaml: /decode/replicas: -1 is less than the minimum of 0
+
+    python ci/values_check.py                 # values/**/*.yaml and argocd/environments/*.yaml
+    python ci/values_check.py FILE [FILE...]  # one layering (chart defaults, then the files in order)
+    python ci/values_check.py --root DIR      # the first form on another checkout (tests)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "pd-inference"
+sys.path.insert(0, str(ROOT))
+from ci import envs  # noqa: E402
+
+
+def merge(base: Any, override: Any) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = merge(base.get(key), value)
+        return out
+    return override
+
+
+def _pointer(path: Any) -> str:
+    return "/" + "/".join(str(p) for p in path)
+
+
+def errors_for(files: list[Path], chart: Path = CHART) -> list[str]:
+    """Schema errors of chart defaults + files, each naming the field as a JSON pointer."""
+    schema = json.loads((chart / "values.schema.json").read_text())
+    values = yaml.safe_load((chart / "values.yaml").read_text()) or {}
+    for f in files:
+        layer = yaml.safe_load(f.read_text())
+        if layer is None:
+            continue
+        if not isinstance(layer, dict):
+            return [f"{f}: top level must be a map, got {type(layer).__name__}"]
+        values = merge(values, layer)
+    validator = jsonschema.Draft7Validator(schema)
+    out = []
+    for err in sorted(validator.iter_errors(values), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
+        where = _pointer(err.absolute_path)
+        if err.validator == "additionalProperties":
+            # Name the unknown key in the pointer too: /prefill/replicsa rather than /prefill.
+            extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+            where = " ".join(f"{_pointer(err.absolute_path).rstrip('/')}/{k}" for k in extra) or where
+        out.append(f"{where}: {err.message}")
+    return out
+
+
+def _environments(root: Path) -> dict[str, dict[str, Any]]:
+    if root == ROOT:
+        return envs.load()
+    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted((root / "argocd" / "environments").glob("*.yaml"))}
+
+
+def main(argv: list[str]) -> int:
+    failed = False
+    root = ROOT
+    if argv[:1] == ["--root"]:
+        root, argv = Path(argv[1]).resolve(), argv[2:]
+    chart = root / "charts" / "pd-inference"
+    if argv:
+        layerings = {" + ".join(argv): [Path(a) for a in argv]}
+    else:
+        layerings = {str(p.relative_to(root)): [p] for p in sorted((root / "values").rglob("*.yaml"))}
+        for name, env in _environments(root).items():
+            layerings[f"environment {name} ({' + '.join(env['valueFiles'])})"] = [root / f for f in env["valueFiles"]]
+    for name, files in layerings.items():
+        errors = errors_for(files, chart)
+        for e in errors:
+            print(f"{name}: {e}", file=sys.stderr)
+        failed |= bool(errors)
+        if not errors:
+            print(f"ok: {name}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,195 @@
+"""ci/check.sh, the entry point users run in their CI (`make lint`), and each of its checks:
+the whole script passes on this checkout, and each check fails on bad input with a message that
+names the file or field."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ci import checkov_check, version_bump
+from tests import helm
+
+ROOT = helm.ROOT
+PY = sys.executable
+
+pytestmark = pytest.mark.xdist_group("ci")
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args), cwd=cwd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+    )
+
+
+@functools.cache
+def check_sh() -> subprocess.CompletedProcess[str]:
+    # checkov has its own test below (it names the findings); the version bump depends on which
+    # commit this is, so it is tested on throwaway repositories below and runs for real in `make lint`,
+    # as does ruff (Python style, not a chart check).
+    return run("bash", "ci/check.sh", env={"PY": PY, "CHECK_SKIP": "checkov version-bump ruff"})
+
+
+def test_check_sh_passes() -> None:
+    result = check_sh()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for title in ("yamllint", "values.schema.json", "helm lint", "render each environment", "immutable"):
+        assert title in result.stdout, f"check.sh no longer runs the {title!r} step"
+    for skipped in ("checkov on the rendered manifests", "chart version bumped", "ruff"):
+        assert f"{skipped}" in result.stdout
+    assert result.stdout.count("SKIPPED (CHECK_SKIP)") == 3
+
+
+def test_check_sh_is_what_make_lint_runs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\nlint:" in makefile and "ci/check.sh" in makefile.split("\nlint:")[1].split("\n\n")[0]
+
+
+# --- values schema step -------------------------------------------------------------------------
+
+
+def test_broken_values_file_fails_the_schema_step_naming_the_field(tmp_path: Path) -> None:
+    for sub in ("charts/pd-inference", "values", "argocd/environments"):
+        shutil.copytree(ROOT / sub, tmp_path / sub)
+    prod = tmp_path / "values" / "prod.yaml"
+    data = yaml.safe_load(prod.read_text())
+    data["decode"]["autoscaling"]["maxReplicas"] = "eight"
+    data["router"]["replicsa"] = 2
+    prod.write_text(yaml.safe_dump(data))
+    result = run(PY, "ci/values_check.py", "--root", str(tmp_path))
+    assert result.returncode == 1
+    assert "values/prod.yaml: /decode/autoscaling/maxReplicas: 'eight' is not of type 'integer'" in result.stderr
+    assert "values/prod.yaml: /router/replicsa:" in result.stderr
+    # The layering that includes it fails too, and names the environment.
+    assert "environment prod (" in result.stderr
+    assert "ok: values/dev.yaml" in result.stdout
+
+
+def test_schema_step_checks_a_layering_given_on_the_command_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kvTransfer:\n  connector: mooncake\n")
+    result = run(PY, "ci/values_check.py", "values/dev.yaml", str(bad))
+    assert result.returncode == 1 and "/kvTransfer/connector: 'mooncake' is not one of" in result.stderr
+
+
+# --- checkov step -------------------------------------------------------------------------------
+
+
+@functools.cache
+def checkov_run() -> subprocess.CompletedProcess[str]:
+    out = Path(ROOT / "build" / "test-rendered")
+    shutil.rmtree(out, ignore_errors=True)
+    rendered = run(PY, "ci/render.py", "--out", str(out))
+    assert rendered.returncode == 0, rendered.stderr
+    return run(PY, "ci/checkov_check.py", "--dir", str(out))
+
+
+def test_checkov_passes_with_the_documented_skips() -> None:
+    result = checkov_run()
+    assert result.returncode == 0, result.stderr
+
+
+def test_checkov_reports_what_it_skipped_and_why() -> None:
+    result = checkov_run()
+    assert "checkov failed" not in result.stderr and "not installed" not in result.stderr, result.stderr
+    skips = checkov_check.load_skips()
+    for s in skips:
+        assert f"skipped: {s['id']} on " in result.stdout
+        assert len(s["reason"].split()) >= 10, f"{s['id']}: give a real reason"
+    assert "STALE SKIP" not in result.stderr
+
+
+def test_checkov_triage() -> None:
+    F = checkov_check.Finding
+    findings = [
+        F("CKV_K8S_25", "caps", "StatefulSet.pd-prod.pd-pd-inference-decode", "prod.yaml"),
+        F("CKV_K8S_25", "caps", "Deployment.pd-prod.pd-pd-inference-router", "prod.yaml"),
+        F("CKV_K8S_11", "cpu", "Deployment.pd-dev.pd-pd-inference-router", "dev.yaml"),
+    ]
+    skips = [
+        {"id": "CKV_K8S_25", "reason": "r", "resources": ["StatefulSet.*.pd-pd-inference-decode"]},
+        {"id": "CKV_K8S_11", "reason": "r"},
+        {"id": "CKV_K8S_99", "reason": "r"},
+    ]
+    failed, skipped, stale = checkov_check.triage(findings, skips)
+    assert failed == [findings[1]]  # the router is not covered by the resource-scoped skip
+    assert skipped == [findings[0], findings[2]]
+    assert stale == ["CKV_K8S_99"]
+    skips[0]["resources"].append("StatefulSet.*.gone")
+    assert "CKV_K8S_25 resource 'StatefulSet.*.gone'" in checkov_check.triage(findings, skips)[2]
+
+
+def test_checkov_skips_file_lists_every_skip_with_a_reason() -> None:
+    text = (ROOT / "ci" / "checkov-skips.yaml").read_text()
+    assert "--skip-check" not in (ROOT / "ci" / "check.sh").read_text()
+    assert all(s["reason"].strip() for s in yaml.safe_load(text)["skips"])
+
+
+# --- chart version bump step --------------------------------------------------------------------
+
+
+def _git(repo: Path, *args: str) -> None:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@e"}
+    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture
+def chart_repo(tmp_path: Path) -> Path:
+    chart = tmp_path / "charts" / "pd-inference"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: pd-inference\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("a: 1\n")
+    (chart / "templates" / "cm.yaml").write_text("kind: ConfigMap\n")
+    (tmp_path / "README.md").write_text("x\n")
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "one")
+    return tmp_path
+
+
+def _bump(repo: Path, version: str) -> None:
+    p = repo / "charts" / "pd-inference" / "Chart.yaml"
+    p.write_text(p.read_text().replace("version: 0.1.0", f"version: {version}"))
+
+
+def test_version_bump_single_commit_skips_and_says_why(chart_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert version_bump.main(chart_repo, env={}) == 0
+    assert "skipped: no base" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", ["charts/pd-inference/templates/cm.yaml", "charts/pd-inference/values.yaml"])
+def test_version_bump_required_when_chart_changes(
+    chart_repo: Path, path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _git(chart_repo, "tag", "v0.1.0")  # released: main is now checked against it
+    _git(chart_repo, "commit", "-q", "--allow-empty", "-m", "two")
+    (chart_repo / path).write_text("changed: true\n")
+    assert version_bump.main(chart_repo, env={}) == 1
+    err = capsys.readouterr().err
+    assert "version is still 0.1.0" in err and path in err
+    _bump(chart_repo, "0.1.1")
+    assert version_bump.main(chart_repo, env={}) == 0
+    _bump(chart_repo, "0.0.9")
+    (chart_repo / "charts/pd-inference/Chart.yaml").write_text("apiVersion: v2\nname: pd-inference\nversion: 0.0.9\n")
+    assert version_bump.main(chart_repo, env={}) == 1
+    assert "went down" in capsys.readouterr().err
+
+
+def test_version_bump_against_base_ref_and_new_files(chart_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _git(chart_repo, "tag", "v0.1.0")
+    (chart_repo / "README.md").write_text("docs only\n")
+    _git(chart_repo, "commit", "-qam", "docs")
+    assert version_bump.main(chart_repo, env={}) == 0  # v0.1.0..HEAD: README only
+    (chart_repo / "charts/pd-inference/templates/new.yaml").write_text("kind: Service\n")  # untracked
+    assert version_bump.main(chart_repo, env={"BASE_REF": "HEAD"}) == 1
+    assert "new.yaml" in capsys.readouterr().err
+    assert version_bump.main(chart_repo, env={"BASE_REF": "no-such-ref"}) == 1
+    assert "not a commit here" in capsys.readouterr().err
