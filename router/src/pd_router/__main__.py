@@ -1,0 +1,3 @@
+from pd_router.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""API-key authentication: Bearer keys from a mounted Secret file and/or PD_ROUTER_API_KEYS."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+ENV_KEYS = "PD_ROUTER_API_KEYS"
+
+
+class ApiKeys:
+    """Holds the accepted keys; ``check`` compares in constant time against every key."""
+
+    def __init__(self, keys_file: str = "", env: Mapping[str, str] | None = None) -> None:
+        self.keys_file = keys_file
+        self.env = os.environ if env is None else env
+        self._mtime: float | None = None
+        self._keys: list[bytes] = []
+        self.reload()
+
+    def _read(self) -> list[str]:
+        keys: list[str] = []
+        if self.keys_file:
+            text = Path(self.keys_file).read_text(encoding="utf-8")
+            keys += [ln.strip() for ln in text.splitlines()]
+        keys += [k.strip() for k in self.env.get(ENV_KEYS, "").split(",")]
+        return [k for k in keys if k and not k.startswith("#")]
+
+    def reload(self) -> None:
+        """(Re)read the keys; the file is optional at runtime only if it was never readable."""
+        self._keys = [k.encode() for k in self._read()]
+        if self.keys_file:
+            self._mtime = Path(self.keys_file).stat().st_mtime
+
+    def maybe_reload(self) -> None:
+        """Pick up a rotated Secret (kubelet swaps the file); keep old keys on read errors."""
+        if not self.keys_file:
+            return
+        try:
+            mtime = Path(self.keys_file).stat().st_mtime
+            if mtime != self._mtime:
+                self.reload()
+        except OSError:
+            pass
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> bool:
+        if not self._keys:
+            return True
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        given = authorization[7:].strip().encode()
+        ok = False
+        for key in self._keys:  # no early exit: time does not depend on which key matched
+            ok |= hmac.compare_digest(given, key)
+        return ok

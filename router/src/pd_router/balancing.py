@@ -1,0 +1,47 @@
+"""Endpoint choice: least outstanding work by power-of-two random choices, with optional
+session affinity (rendezvous hashing of a header value over the healthy endpoints)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Sequence
+
+from pd_router.discovery import Endpoint
+
+_rand = random.Random()
+
+
+def decode_load(ep: Endpoint) -> int:
+    return ep.active
+
+
+def prefill_load(ep: Endpoint) -> int:
+    return ep.queued_tokens * 4 + ep.active
+
+
+def _score(key: str, ep: Endpoint) -> bytes:
+    return hashlib.blake2b(f"{key}\x00{ep.base}".encode(), digest_size=8).digest()
+
+
+def pick(
+    candidates: Sequence[Endpoint],
+    load: Callable[[Endpoint], int],
+    affinity_key: str | None = None,
+    exclude: Sequence[Endpoint] = (),
+) -> Endpoint | None:
+    """Pick one endpoint; ``None`` when no candidate remains."""
+    eps = [e for e in candidates if e not in exclude] if exclude else candidates
+    n = len(eps)
+    if n == 0:
+        return None
+    if affinity_key:
+        return max(eps, key=lambda e: _score(affinity_key, e))
+    if n == 1:
+        return eps[0]
+    i = _rand.randrange(n)
+    j = _rand.randrange(n - 1)
+    if j >= i:
+        j += 1
+    a, b = eps[i], eps[j]
+    return a if load(a) <= load(b) else b

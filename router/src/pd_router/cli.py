@@ -1,0 +1,102 @@
+"""``pd-router`` command line: ``serve`` and ``check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+import sys
+
+from pd_router import __version__
+from pd_router.config import ConfigError, RouterConfig, load_config, to_dict
+
+
+def _load(path: str) -> RouterConfig:
+    return load_config(path, os.environ)
+
+
+async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
+    from aiohttp import web
+
+    from pd_router.app import Router, build_app
+
+    router = Router(cfg)
+    app = build_app(router)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_address=True)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    if port_file:
+        tmp = port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, port_file)
+    import logging
+
+    logging.getLogger("pd_router").warning(
+        "pd-router %s listening on %s:%d (connector=%s threshold=%d)",
+        __version__,
+        cfg.listen.host,
+        port,
+        cfg.routing.connector,
+        cfg.routing.threshold,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pd-router", description="Prefill/decode router for vLLM")
+    p.add_argument("--version", action="version", version=__version__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the router")
+    s.add_argument("--config", required=True, help="YAML config file (the chart's ConfigMap)")
+    s.add_argument("--port-file", help="write the bound port here once listening (tests)")
+    c = sub.add_parser("check-config", help="validate a config file and print the result")
+    c.add_argument("--config", required=True)
+    a = p.parse_args(argv)
+    try:
+        cfg = _load(a.config)
+    except ConfigError as exc:
+        print(f"pd-router: invalid config: {exc}", file=sys.stderr)
+        return 2
+    if a.cmd == "check-config":
+        import yaml
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    from pd_router import logs
+
+    logs.setup(cfg.logging.level)
+    if os.environ.get("PD_ROUTER_EVENT_LOOP", "uvloop") == "uvloop":  # "asyncio": measurements
+        import uvloop
+
+        uvloop.install()
+    # Fewer young-generation collections: requests allocate many short-lived objects and
+    # keep almost none (measured: ~7 % less CPU per request; README "HTTP stack").
+    gc.freeze()
+    gc.set_threshold(20000, 50, 100)
+    try:
+        asyncio.run(run_server(cfg, a.port_file))
+    except ConfigError as exc:
+        print(f"pd-router: invalid config: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pd-router: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Router configuration: the YAML contract the Helm chart renders, plus env overrides.
+
+The loader is strict: an unknown key, a wrong type or an out-of-range value raises
+:class:`ConfigError` whose message names the dotted field path (``routing.threshold``).
+YAML keys are camelCase (as in the chart); attributes are the snake_case equivalents.
+
+Env overrides: ``PD_ROUTER__<SECTION>__<FIELD>[__<FIELD>...]=value`` (case-insensitive path
+parts), the value parsed as a YAML scalar/flow value and validated like the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+ENV_PREFIX = "PD_ROUTER__"
+
+
+class ConfigError(ValueError):
+    """Invalid router configuration; the message names the offending dotted field."""
+
+
+@dataclass(frozen=True)
+class Listen:
+    host: str = "0.0.0.0"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class Model:
+    served_name: str = "llama-3.3-70b"
+    tokenizer: str = ""
+
+
+@dataclass(frozen=True)
+class Routing:
+    connector: Literal["lmcache", "nixl"] = "lmcache"
+    threshold: int = 1024
+    session_affinity_header: str = ""
+
+
+@dataclass(frozen=True)
+class Dns:
+    name: str = ""
+    port: int = 8000
+    refresh_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class Pool:
+    discovery: Literal["dns", "static"] = "dns"
+    static: list[str] = field(default_factory=list)
+    dns: Dns = field(default_factory=Dns)
+
+
+def _prefill_pool() -> Pool:
+    return Pool(dns=Dns(name="pd-pd-inference-prefill.default.svc.cluster.local"))
+
+
+def _decode_pool() -> Pool:
+    return Pool(dns=Dns(name="pd-pd-inference-decode.default.svc.cluster.local"))
+
+
+@dataclass(frozen=True)
+class Pools:
+    prefill: Pool = field(default_factory=_prefill_pool)
+    decode: Pool = field(default_factory=_decode_pool)
+
+
+@dataclass(frozen=True)
+class LMCache:
+    notify_bind_host: str = "0.0.0.0"
+    notify_port: int = 7500
+    notifications_per_request: int = 1
+    decoder_init_ports: list[int] = field(default_factory=lambda: [7300])
+    decoder_alloc_ports: list[int] = field(default_factory=lambda: [7400])
+    notify_timeout_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_seconds: float = 5.0
+    prefill_seconds: float = 300.0
+    first_byte_seconds: float = 300.0
+    stream_idle_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class Health:
+    path: str = "/health"
+    interval_seconds: float = 5.0
+    timeout_seconds: float = 2.0
+    healthy_threshold: int = 1
+    unhealthy_threshold: int = 3
+    passive_failure_threshold: int = 3
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_in_flight: int = 512
+    max_queued: int = 1024
+    queue_timeout_seconds: float = 30.0
+    max_body_bytes: int = 10 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Auth:
+    api_keys_file: str = ""
+    protect_metrics: bool = False
+
+
+@dataclass(frozen=True)
+class Logging:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_prompts: bool = False
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    listen: Listen = field(default_factory=Listen)
+    model: Model = field(default_factory=Model)
+    routing: Routing = field(default_factory=Routing)
+    pools: Pools = field(default_factory=Pools)
+    lmcache: LMCache = field(default_factory=LMCache)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    health: Health = field(default_factory=Health)
+    limits: Limits = field(default_factory=Limits)
+    auth: Auth = field(default_factory=Auth)
+    logging: Logging = field(default_factory=Logging)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p[:1].upper() + p[1:] for p in rest)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return {int: "integer", float: "number", str: "string", bool: "boolean"}.get(tp, str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
+        (item_tp,) = get_args(tp)
+        return [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected boolean, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    hints = _hints(cls)
+    by_key = {_camel(f.name): f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        f = by_key.get(key) if isinstance(key, str) else None
+        if f is None:
+            allowed = ", ".join(sorted(by_key))
+            raise ConfigError(f"{dotted}: unknown field (allowed here: {allowed})")
+        kwargs[f.name] = _convert(value, hints[f.name], dotted)
+    return cls(**kwargs)
+
+
+def _set_path(data: dict[str, Any], cls: type, parts: list[str], raw: str, env_key: str) -> None:
+    """Apply one env override onto the raw mapping, resolving keys case-insensitively."""
+    node: dict[str, Any] = data
+    cur_cls: Any = cls
+    dotted: list[str] = []
+    for i, part in enumerate(parts):
+        fields_by_lower = {_camel(f.name).lower(): f for f in dataclasses.fields(cur_cls)}
+        f = fields_by_lower.get(part.lower())
+        if f is None:
+            where = ".".join([*dotted, part.lower()])
+            raise ConfigError(f"{where}: unknown field (from env {env_key})")
+        key = _camel(f.name)
+        dotted.append(key)
+        if i == len(parts) - 1:
+            try:
+                node[key] = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError as exc:
+                msg = f"{'.'.join(dotted)}: env {env_key} is not valid YAML: {exc}"
+                raise ConfigError(msg) from exc
+            return
+        sub_cls = _hints(cur_cls)[f.name]
+        if not dataclasses.is_dataclass(sub_cls):
+            raise ConfigError(f"{'.'.join(dotted)}: is not a section (from env {env_key})")
+        child = node.get(key)
+        if child is None:
+            child = {}
+            node[key] = child
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(dotted)}: expected a mapping, got {child!r}")
+        node = child
+        cur_cls = sub_cls
+
+
+_URL_RE = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+
+
+def _check_port(value: int, path: str, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if not low <= value <= 65535:
+        raise ConfigError(f"{path}: port must be between {low} and 65535, got {value}")
+
+
+def _positive(value: float, path: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{path}: must be > 0, got {value}")
+
+
+def _validate(cfg: RouterConfig) -> None:
+    _check_port(cfg.listen.port, "listen.port", allow_zero=True)
+    if not cfg.model.served_name:
+        raise ConfigError("model.servedName: must not be empty")
+    if cfg.routing.threshold < 0:
+        raise ConfigError(f"routing.threshold: must be >= 0, got {cfg.routing.threshold}")
+    hdr = cfg.routing.session_affinity_header
+    if hdr and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", hdr):
+        raise ConfigError(f"routing.sessionAffinityHeader: not a valid header name: {hdr!r}")
+    for pool_name in ("prefill", "decode"):
+        pool: Pool = getattr(cfg.pools, pool_name)
+        base = f"pools.{pool_name}"
+        for i, url in enumerate(pool.static):
+            if not _URL_RE.match(url):
+                raise ConfigError(f"{base}.static[{i}]: expected http(s)://host:port, got {url!r}")
+        if pool.discovery == "static" and not pool.static:
+            raise ConfigError(f"{base}.static: must list at least one URL when discovery is static")
+        if pool.discovery == "dns" and not pool.dns.name:
+            raise ConfigError(f"{base}.dns.name: must be set when discovery is dns")
+        _check_port(pool.dns.port, f"{base}.dns.port")
+        _positive(pool.dns.refresh_seconds, f"{base}.dns.refreshSeconds")
+    lm = cfg.lmcache
+    _check_port(lm.notify_port, "lmcache.notifyPort")
+    if lm.notifications_per_request < 1:
+        raise ConfigError("lmcache.notificationsPerRequest: must be >= 1")
+    if not lm.decoder_init_ports:
+        raise ConfigError("lmcache.decoderInitPorts: must list one port per decoder TP rank")
+    if len(lm.decoder_init_ports) != len(lm.decoder_alloc_ports):
+        raise ConfigError(
+            "lmcache.decoderAllocPorts: must have as many entries as lmcache.decoderInitPorts"
+        )
+    for i, p in enumerate(lm.decoder_init_ports):
+        _check_port(p, f"lmcache.decoderInitPorts[{i}]")
+    for i, p in enumerate(lm.decoder_alloc_ports):
+        _check_port(p, f"lmcache.decoderAllocPorts[{i}]")
+    _positive(lm.notify_timeout_seconds, "lmcache.notifyTimeoutSeconds")
+    for f in dataclasses.fields(Timeouts):
+        _positive(getattr(cfg.timeouts, f.name), f"timeouts.{_camel(f.name)}")
+    h = cfg.health
+    if not h.path.startswith("/"):
+        raise ConfigError(f"health.path: must start with '/', got {h.path!r}")
+    for name in ("interval_seconds", "timeout_seconds"):
+        _positive(getattr(h, name), f"health.{_camel(name)}")
+    for name in ("healthy_threshold", "unhealthy_threshold", "passive_failure_threshold"):
+        if getattr(h, name) < 1:
+            raise ConfigError(f"health.{_camel(name)}: must be >= 1")
+    li = cfg.limits
+    if li.max_in_flight < 1:
+        raise ConfigError("limits.maxInFlight: must be >= 1")
+    if li.max_queued < 0:
+        raise ConfigError("limits.maxQueued: must be >= 0")
+    _positive(li.queue_timeout_seconds, "limits.queueTimeoutSeconds")
+    if li.max_body_bytes < 1024:
+        raise ConfigError("limits.maxBodyBytes: must be >= 1024")
+
+
+def parse_config(data: Any, env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Validate an already-parsed mapping (plus env overrides) into a RouterConfig."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"<root>: expected a mapping, got {type(data).__name__}")
+    raw: dict[str, Any] = _deep_copy(data)
+    for key in sorted((env or {}).keys()):
+        if not key.upper().startswith(ENV_PREFIX):
+            continue
+        parts = [p for p in key[len(ENV_PREFIX) :].split("__")]
+        if not parts or any(not p for p in parts):
+            raise ConfigError(f"<env>: malformed override name {key!r}")
+        _set_path(raw, RouterConfig, parts, (env or {})[key], key)
+    cfg = _build(RouterConfig, raw, "")
+    _validate(cfg)
+    return cfg
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Load and validate the router config file.
+
+    ``env`` defaults to no overrides; pass ``os.environ`` to honour ``PD_ROUTER__*`` variables.
+    Raises ConfigError (message names the dotted field path) on any problem.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"<file>: cannot read config file {p}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"<file>: {p} is not valid YAML: {exc}") from exc
+    return parse_config(data, env)
+
+
+def to_dict(cfg: Any) -> Any:
+    """Render a config (or section) back to the camelCase mapping form."""
+    if dataclasses.is_dataclass(cfg):
+        return {_camel(f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list):
+        return [to_dict(v) for v in cfg]
+    return cfg

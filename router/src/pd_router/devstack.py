@@ -1,0 +1,132 @@
+"""Start/stop simulated engines and routers as real processes on loopback (demo, bench, tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+DEMO_CONFIG = Path(__file__).with_name("demo-config.yaml")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port (for ports that must be known before a process starts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path, port: int) -> None:
+        self.name = name
+        self.popen = popen
+        self.log = log
+        self.port = port
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}"
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def _spawn(
+    name: str, args: Sequence[str], workdir: Path, env: Mapping[str, str] | None = None
+) -> Proc:
+    port_file = workdir / f"{name}.port"
+    with contextlib.suppress(FileNotFoundError):
+        port_file.unlink()
+    log = workdir / f"{name}.log"
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    with open(log, "wb") as lf:
+        popen = subprocess.Popen(
+            [*args, "--port-file", str(port_file)],
+            stdout=lf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+        )
+    proc = Proc(name, popen, log, 0)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if popen.poll() is not None:
+            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{proc.log_tail()}")
+        if time.monotonic() > deadline:
+            proc.stop()
+            raise RuntimeError(f"{name} did not start in 60 s:\n{proc.log_tail()}")
+        time.sleep(0.02)
+    proc.port = int(port_file.read_text())
+    return proc
+
+
+def start_sim(name: str, workdir: Path, *args: str) -> Proc:
+    return _spawn(name, [sys.executable, "-m", "pd_router.sim", *args], workdir)
+
+
+def start_router(
+    name: str, workdir: Path, config: Path | str, env: Mapping[str, str] | None = None
+) -> Proc:
+    return _spawn(
+        name, [sys.executable, "-m", "pd_router", "serve", "--config", str(config)], workdir, env
+    )
+
+
+class Stack:
+    """A group of processes stopped together (context manager)."""
+
+    def __init__(self, workdir: Path | None = None) -> None:
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pd-stack-")
+            workdir = Path(self._tmp.name)
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+
+    def sim(self, name: str, *args: str) -> Proc:
+        p = start_sim(name, self.workdir, *args)
+        self.procs.append(p)
+        return p
+
+    def router(self, name: str, config: Path | str, env: Mapping[str, str] | None = None) -> Proc:
+        p = start_router(name, self.workdir, config, env)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

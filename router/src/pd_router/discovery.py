@@ -1,0 +1,196 @@
+"""Endpoint pools: static or DNS discovery (headless Service of a StatefulSet, re-resolved
+periodically), active health checks with thresholds and passive ejection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from pd_router.config import Health, Pool
+
+log = logging.getLogger("pd_router.discovery")
+
+
+class Endpoint:
+    __slots__ = (
+        "active",
+        "base",
+        "consec_bad",
+        "consec_ok",
+        "healthy",
+        "host",
+        "passive_failures",
+        "port",
+        "queued_tokens",
+        "removed",
+        "tls",
+    )
+
+    def __init__(self, base: str) -> None:
+        self.base = base.rstrip("/")
+        u = urlsplit(self.base)
+        self.host = u.hostname or ""
+        self.tls = u.scheme == "https"
+        self.port = u.port or (443 if self.tls else 80)
+        self.active = 0  # requests / streams in flight through this router
+        self.queued_tokens = 0  # prompt tokens sent and not yet answered (prefillers)
+        self.healthy = False
+        self.consec_ok = 0
+        self.consec_bad = 0
+        self.passive_failures = 0
+        self.removed = False
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.base}, healthy={self.healthy}, active={self.active})"
+
+
+class EndpointPool:
+    def __init__(
+        self,
+        name: str,
+        cfg: Pool,
+        health: Health,
+        on_change: Callable[[EndpointPool], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.health = health
+        self.endpoints: dict[str, Endpoint] = {}
+        self.healthy: list[Endpoint] = []
+        self.on_change = on_change
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ state changes
+    def _refresh_healthy(self) -> None:
+        self.healthy = [e for e in self.endpoints.values() if e.healthy]
+        if self.on_change:
+            self.on_change(self)
+
+    def set_endpoints(self, bases: list[str]) -> list[Endpoint]:
+        """Replace the endpoint set; returns the new endpoints (they start unhealthy)."""
+        wanted = {b.rstrip("/") for b in bases}
+        added = []
+        for base in wanted - self.endpoints.keys():
+            ep = Endpoint(base)
+            self.endpoints[base] = ep
+            added.append(ep)
+        for base in self.endpoints.keys() - wanted:
+            self.endpoints.pop(base).removed = True
+        if added or len(wanted) != len(self.endpoints):
+            log.info("pool %s endpoints: %s", self.name, sorted(self.endpoints))
+        self._refresh_healthy()
+        return added
+
+    def report_failure(self, ep: Endpoint) -> None:
+        ep.passive_failures += 1
+        if ep.healthy and ep.passive_failures >= self.health.passive_failure_threshold:
+            ep.healthy = False
+            ep.consec_ok = 0
+            log.warning(
+                "pool %s: ejected %s after %d failures", self.name, ep.base, ep.passive_failures
+            )
+            self._refresh_healthy()
+
+    def report_success(self, ep: Endpoint) -> None:
+        if ep.passive_failures:
+            ep.passive_failures = 0
+
+    def _record_check(self, ep: Endpoint, ok: bool) -> None:
+        h = self.health
+        if ok:
+            ep.consec_ok += 1
+            ep.consec_bad = 0
+            if not ep.healthy and ep.consec_ok >= h.healthy_threshold:
+                ep.healthy = True
+                ep.passive_failures = 0
+                log.info("pool %s: %s is healthy", self.name, ep.base)
+                self._refresh_healthy()
+        else:
+            ep.consec_bad += 1
+            ep.consec_ok = 0
+            if ep.healthy and ep.consec_bad >= h.unhealthy_threshold:
+                ep.healthy = False
+                log.warning(
+                    "pool %s: %s failed %d health checks", self.name, ep.base, ep.consec_bad
+                )
+                self._refresh_healthy()
+
+    # ------------------------------------------------------------------ active checks
+    async def _check(self, ep: Endpoint) -> None:
+        assert self._session is not None
+        ok = False
+        try:
+            async with asyncio.timeout(self.health.timeout_seconds):
+                async with self._session.get(ep.base + self.health.path) as resp:
+                    ok = resp.status == 200
+                    await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        if not ep.removed:
+            self._record_check(ep, ok)
+
+    async def check_all(self, eps: list[Endpoint] | None = None) -> None:
+        eps = list(self.endpoints.values()) if eps is None else eps
+        if eps:
+            await asyncio.gather(*(self._check(e) for e in eps))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health.interval_seconds)
+            with contextlib.suppress(Exception):
+                await self.check_all()
+
+    # ------------------------------------------------------------------ discovery
+    async def resolve(self) -> list[str]:
+        if self.cfg.discovery == "static":
+            return list(self.cfg.static)
+        d = self.cfg.dns
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(d.name, d.port, type=socket.SOCK_STREAM)
+        bases = set()
+        for family, _, _, _, addr in infos:
+            ip = addr[0]
+            bases.add(
+                f"http://[{ip}]:{d.port}" if family == socket.AF_INET6 else f"http://{ip}:{d.port}"
+            )
+        return sorted(bases)
+
+    async def discover_once(self) -> None:
+        try:
+            bases = await self.resolve()
+        except OSError as exc:
+            # Keep the last known set on DNS errors: a blip must not empty the pool.
+            log.warning("pool %s: DNS lookup of %s failed: %s", self.name, self.cfg.dns.name, exc)
+            return
+        added = self.set_endpoints(bases)
+        if added:
+            await self.check_all(added)
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.dns.refresh_seconds)
+            with contextlib.suppress(Exception):
+                await self.discover_once()
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        await self.discover_once()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._health_loop()))
+        if self.cfg.discovery == "dns":
+            self._tasks.append(loop.create_task(self._dns_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks.clear()

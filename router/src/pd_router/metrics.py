@@ -1,0 +1,95 @@
+"""Prometheus metrics of the router (one registry per process, names prefixed ``pd_router_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TOK = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "pd_router_requests", "Requests by route and outcome", ["route", "outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "pd_router_ttft_seconds",
+            "Router-observed time to first token",
+            ["route"],
+            buckets=_LAT,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pd_router_inter_token_seconds",
+            "Router-observed gap between streamed chunks",
+            ["route"],
+            buckets=_ITL,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pd_router_e2e_seconds",
+            "End-to-end request latency",
+            ["route"],
+            buckets=_LAT,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "pd_router_prompt_tokens",
+            "Prompt tokens per request (as counted for routing)",
+            buckets=_TOK,
+            registry=r,
+        )
+        self.token_count_source = Counter(
+            "pd_router_token_count",
+            "How prompt tokens were counted (tokenizer|engine|bound|estimate|skipped)",
+            ["source"],
+            registry=r,
+        )
+        self.handoff_wait = Histogram(
+            "pd_router_handoff_wait_seconds",
+            "Prefill leg plus KV hand-off wait",
+            ["connector"],
+            buckets=_LAT,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pd_router_upstream_errors",
+            "Upstream failures by pool and kind",
+            ["pool", "kind"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "pd_router_fallbacks",
+            "Disaggregated requests served directly instead",
+            ["reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pd_router_retries", "Requests retried on another endpoint", ["pool"], registry=r
+        )
+        self.healthy = Gauge(
+            "pd_router_healthy_endpoints", "Healthy endpoints by pool", ["pool"], registry=r
+        )
+        self.endpoints = Gauge(
+            "pd_router_endpoints", "Known endpoints by pool", ["pool"], registry=r
+        )
+        self.in_flight = Gauge("pd_router_in_flight", "Requests being served", registry=r)
+        self.queued = Gauge("pd_router_queued", "Requests waiting for a slot", registry=r)
+        self.rejected = Counter(
+            "pd_router_rejected", "Requests rejected before routing", ["reason"], registry=r
+        )
+        self.notifications = Counter(
+            "pd_router_lmcache_notifications",
+            "LMCache ProxyNotif messages received (matched|unknown|malformed)",
+            ["result"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "pd_router_client_disconnects", "Clients that went away mid-request", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Simulated vLLM engine (pd-sim-engine)."""

@@ -1,0 +1,85 @@
+"""``pd-sim-engine``: run one simulated vLLM engine (``python -m pd_router.sim``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from pd_router.sim.server import FAULTS, SimConfig, serve
+
+
+def _ports(s: str) -> list[int]:
+    return [int(p) for p in s.split(",") if p.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
+    p = argparse.ArgumentParser(prog="pd-sim-engine", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
+    p.add_argument("--port-file", help="write the bound HTTP port here once listening")
+    p.add_argument("--model", default="llama-3.3-70b")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--kv-connector", choices=["none", "nixl", "lmcache"], default="none")
+    p.add_argument("--lmcache-role", choices=["sender", "receiver"], default="sender")
+    p.add_argument("--pd-proxy-host", default="127.0.0.1", help="LMCache sender: proxy host")
+    p.add_argument("--pd-proxy-port", type=int, default=7500, help="LMCache sender: proxy port")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks)")
+    p.add_argument("--pd-peer-host", default=None, help="LMCache receiver bind host")
+    p.add_argument("--pd-peer-init-port", type=_ports, default=[7300])
+    p.add_argument("--pd-peer-alloc-port", type=_ports, default=[7400])
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.0)
+    p.add_argument("--decode-step-ms", type=float, default=0.0)
+    p.add_argument("--decode-step-ms-per-seq", type=float, default=0.0)
+    p.add_argument("--transfer-ms", type=float, default=0.0)
+    p.add_argument("--slow-factor", type=float, default=20.0)
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--engine-id", default="")
+    a = p.parse_args(argv)
+    cfg = SimConfig(
+        host=a.host,
+        port=a.port,
+        model=a.model,
+        max_model_len=a.max_model_len,
+        kv_connector=a.kv_connector,
+        lmcache_role=a.lmcache_role,
+        pd_proxy_host=a.pd_proxy_host,
+        pd_proxy_port=a.pd_proxy_port,
+        tp=a.tp,
+        pd_peer_host=a.pd_peer_host or a.host,
+        pd_peer_init_port=a.pd_peer_init_port,
+        pd_peer_alloc_port=a.pd_peer_alloc_port,
+        prefill_ms_per_token=a.prefill_ms_per_token,
+        decode_step_ms=a.decode_step_ms,
+        decode_step_ms_per_seq=a.decode_step_ms_per_seq,
+        transfer_ms=a.transfer_ms,
+        slow_factor=a.slow_factor,
+        fault=a.fault,
+        engine_id=a.engine_id,
+    )
+    return cfg, a.port_file
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, port_file = parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+
+    def _term(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        asyncio.run(serve(cfg, port_file))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Prompt token counting for the routing decision.
+
+Order (cheapest exact-enough first):
+1. ``threshold == 0``: nothing to count (every request is disaggregated).
+2. ``prompt`` given as token ids: its length.
+3. A proven upper bound below the threshold: a BPE token covers at least one UTF-8 byte, so
+   ``bytes(text) + template allowance`` bounds the count; below the threshold means direct
+   without tokenizing at all (most short chat turns never pay for tokenization).
+4. Local ``tokenizers`` file (``model.tokenizer``), plus the chat-template allowance.
+5. The engine's ``POST /tokenize`` (applies the real chat template; the ids are reused as the
+   LMCache prefill prompt). Request/response checked against vLLM v0.11
+   (``TokenizeChatRequest``/``TokenizeCompletionRequest`` -> ``{count, max_model_len, tokens}``).
+6. Estimate (bytes / 4) when nothing else answered; counted in ``pd_router_token_count``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pd_router.discovery import Endpoint
+from pd_router.upstream import UpstreamClient
+
+log = logging.getLogger("pd_router.tokens")
+
+TEMPLATE_BASE = 64  # allowance for chat-template tokens (system header, generation prompt)
+TEMPLATE_PER_MESSAGE = 8
+
+
+def prompt_text(body: dict[str, Any], chat: bool) -> str:
+    if chat:
+        parts: list[str] = []
+        for m in body["messages"]:
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                for p in c:
+                    if isinstance(p, dict) and isinstance(p.get("text"), str):
+                        parts.append(p["text"])
+        return "\n".join(parts)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list):
+        return "\n".join(x for x in p if isinstance(x, str))
+    return ""
+
+
+def template_allowance(body: dict[str, Any], chat: bool) -> int:
+    if not chat:
+        return 4
+    extra = TEMPLATE_BASE + TEMPLATE_PER_MESSAGE * len(body["messages"])
+    for key in ("tools", "functions"):
+        if body.get(key) is not None:
+            extra += len(orjson.dumps(body[key]))
+    return extra
+
+
+def token_ids_prompt(body: dict[str, Any]) -> list[int] | None:
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(type(t) is int for t in p):
+        return p
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], list):
+        inner = p[0]
+        if inner and all(type(t) is int for t in inner):
+            return inner
+    return None
+
+
+def load_local_tokenizer(spec: str) -> Any:
+    """Load ``tokenizer.json`` from a file path or a directory containing it."""
+    from tokenizers import Tokenizer
+
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    return Tokenizer.from_file(str(path))
+
+
+class TokenCounter:
+    def __init__(self, tokenizer_spec: str, served_name: str) -> None:
+        self.served_name = served_name
+        self.local = load_local_tokenizer(tokenizer_spec) if tokenizer_spec else None
+
+    def local_count(self, text: str, allowance: int) -> int:
+        assert self.local is not None
+        return len(self.local.encode(text, add_special_tokens=False).ids) + allowance
+
+    async def engine_tokenize(
+        self,
+        up: UpstreamClient,
+        ep: Endpoint,
+        body: dict[str, Any],
+        chat: bool,
+        timeout: float,
+        headers: bytes,
+    ) -> list[int]:
+        if chat:
+            req: dict[str, Any] = {
+                "model": self.served_name,
+                "messages": body["messages"],
+                "add_generation_prompt": True,
+            }
+            for key in ("tools", "chat_template_kwargs", "continue_final_message"):
+                if key in body:
+                    req[key] = body[key]
+        else:
+            req = {"model": self.served_name, "prompt": body.get("prompt")}
+            if isinstance(req["prompt"], list):
+                req["prompt"] = req["prompt"][0]
+        async with asyncio.timeout(timeout):
+            resp = await up.post(
+                ep.host, ep.port, ep.tls, "/tokenize", orjson.dumps(req), headers, timeout, timeout
+            )
+            try:
+                data = await resp.read()
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+        if resp.status != 200:
+            raise RuntimeError(f"/tokenize answered {resp.status}")
+        out = orjson.loads(data)
+        toks = out["tokens"]
+        if not isinstance(toks, list):
+            raise RuntimeError("/tokenize returned no token list")
+        return toks

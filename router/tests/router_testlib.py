@@ -1,0 +1,175 @@
+"""Helpers for the router tests (a uniquely named module, so it never collides with another
+test folder's conftest when several folders run in one pytest session)."""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+import yaml
+
+from pd_router.devstack import DEMO_CONFIG, Proc, Stack, free_port
+
+MODEL = "llama-3.3-70b"
+
+
+def base_config() -> dict[str, Any]:
+    return yaml.safe_load(DEMO_CONFIG.read_text())
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def write_config(workdir: Path, name: str, over: dict[str, Any]) -> Path:
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(deep_merge(base_config(), over)))
+    return path
+
+
+def http_call(
+    url: str,
+    method: str = "GET",
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> tuple[int, dict[str, str], bytes]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request(
+            method, u.path + (f"?{u.query}" if u.query else ""), body=body, headers=headers or {}
+        )
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def post_json(url: str, obj: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, dict]:
+    h = {"Content-Type": "application/json", **(headers or {})}
+    status, hdrs, data = http_call(url, "POST", json.dumps(obj).encode(), h)
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        parsed = data
+    return status, parsed, hdrs
+
+
+def metric_value(base: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of samples of ``name`` whose labels include ``labels``."""
+    _, _, data = http_call(base + "/metrics")
+    total = 0.0
+    for line in data.decode().splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, lab = head.partition("{")
+        if metric != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in lab for k, v in labels.items()):
+            continue
+        total += float(value)
+    return total
+
+
+def wait_until(cond: Callable[[], bool], what: str, deadline_s: float = 60) -> None:
+    """Poll a condition (not a timing assertion: the deadline only stops a broken test)."""
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"condition never became true: {what}")
+        time.sleep(0.05)
+
+
+def client(router: Proc, **kw: Any) -> openai.OpenAI:
+    kw.setdefault("api_key", "unused")
+    return openai.OpenAI(base_url=router.url() + "/v1", max_retries=0, timeout=60, **kw)
+
+
+def set_fault(engine: Proc, mode: str, count: int = -1, host: str = "127.0.0.1") -> None:
+    status, _, _ = post_json(engine.url(host) + "/sim/fault", {"mode": mode, "count": count})
+    assert status == 200
+
+
+def long_text(words: int = 400) -> str:
+    return " ".join(f"word{i % 50}" for i in range(words))
+
+
+class LMCacheStack:
+    """One prefill (LMCache sender, 2 TP ranks) and two decoders (receivers on 127.0.0.2/3
+    sharing the same receiver port numbers, as StatefulSet pods do), plus routers."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.notify_port = free_port()
+        self.init_ports = [free_port(), free_port()]
+        self.alloc_ports = [free_port(), free_port()]
+        ip = ",".join(map(str, self.init_ports))
+        ap = ",".join(map(str, self.alloc_ports))
+        self.prefill = stack.sim(
+            "lm-prefill",
+            "--kv-connector",
+            "lmcache",
+            "--lmcache-role",
+            "sender",
+            "--tp",
+            "2",
+            "--pd-proxy-port",
+            str(self.notify_port),
+        )
+        self.decoders = [
+            stack.sim(
+                f"lm-decode{i}",
+                "--host",
+                host,
+                "--kv-connector",
+                "lmcache",
+                "--lmcache-role",
+                "receiver",
+                "--tp",
+                "2",
+                "--pd-peer-init-port",
+                ip,
+                "--pd-peer-alloc-port",
+                ap,
+            )
+            for i, host in enumerate(("127.0.0.2", "127.0.0.3"))
+        ]
+
+    def decoder_urls(self) -> list[str]:
+        return [d.url(h) for d, h in zip(self.decoders, ("127.0.0.2", "127.0.0.3"), strict=True)]
+
+    def router(self, name: str, over: dict[str, Any] | None = None) -> Proc:
+        cfg = deep_merge(
+            {
+                "routing": {"connector": "lmcache", "threshold": 256},
+                "pools": {
+                    "prefill": {"discovery": "static", "static": [self.prefill.url()]},
+                    "decode": {"discovery": "static", "static": self.decoder_urls()},
+                },
+                "lmcache": {
+                    "notifyBindHost": "127.0.0.1",
+                    "notifyPort": self.notify_port,
+                    "notificationsPerRequest": 2,
+                    "decoderInitPorts": self.init_ports,
+                    "decoderAllocPorts": self.alloc_ports,
+                    "notifyTimeoutSeconds": 3,
+                },
+            },
+            over or {},
+        )
+        return self.stack.router(name, write_config(self.stack.workdir, name, cfg))

@@ -1,0 +1,267 @@
+"""LMCache PD mode end to end: real engine processes, ZMQ notifications, the openai client."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from pd_router.devstack import Proc, Stack
+from pd_router.lmcache_wire import encode_notif
+from router_testlib import (
+    MODEL,
+    LMCacheStack,
+    client,
+    http_call,
+    long_text,
+    metric_value,
+    post_json,
+    set_fault,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def lm(stack: Stack) -> Iterator[tuple[LMCacheStack, Proc]]:
+    s = LMCacheStack(stack)
+    yield s, s.router("lm-router")
+
+
+def _chat(router: Proc, content: str, **kw: Any) -> tuple[str, str, Any]:
+    raw = client(router).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
+    comp = raw.parse()
+    return comp.choices[0].message.content, raw.headers["x-pd-route"], comp
+
+
+def _direct_engine(engine: Proc, host: str, content: str) -> str:
+    status, body, _ = post_json(
+        engine.url(host) + "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 12,
+            "ignore_eos": True,
+        },
+    )
+    assert status == 200
+    return body["choices"][0]["message"]["content"]
+
+
+def test_short_direct_long_disaggregated_same_answers(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    for text, route in (("hello there", "direct"), (long_text(), "disaggregated")):
+        answer, got_route, comp = _chat(router, text)
+        assert got_route == route
+        assert answer == _direct_engine(s.decoders[0], "127.0.0.2", text)
+        assert comp.usage.completion_tokens == 12
+    # two TP ranks -> two notifications per request, all matched
+    assert (
+        metric_value(router.url(), "pd_router_lmcache_notifications_total", {"result": "matched"})
+        >= 2
+    )
+
+
+def test_streaming_disaggregated_equals_direct(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    text = long_text(500)
+    with client(router).chat.completions.with_streaming_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ) as resp:
+        assert resp.headers["x-pd-route"] == "disaggregated"
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        chunks = list(resp.parse())
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == _direct_engine(s.decoders[1], "127.0.0.3", text)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_endpoint_disaggregated(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    prompt = long_text(300)
+    c = client(router)
+    full = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True}
+    )
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=7, stream=True, extra_body={"ignore_eos": True}
+        )
+        if ch.choices
+    )
+    status, direct, _ = post_json(
+        s.decoders[0].url("127.0.0.2") + "/v1/completions",
+        {"prompt": prompt, "max_tokens": 7, "ignore_eos": True},
+    )
+    assert status == 200
+    assert full.choices[0].text == streamed == direct["choices"][0]["text"]
+
+
+def test_decoder_received_kv(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    before = sum(
+        metric_value(d.url(h), "pd_sim_kv_hits_total")
+        for d, h in zip(s.decoders, ("127.0.0.2", "127.0.0.3"), strict=True)
+    )
+    _chat(router, long_text(333))
+    after = sum(
+        metric_value(d.url(h), "pd_sim_kv_hits_total")
+        for d, h in zip(s.decoders, ("127.0.0.2", "127.0.0.3"), strict=True)
+    )
+    assert after == before + 1
+
+
+def test_client_kv_transfer_params_never_reach_engines(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    evil = {
+        "disagg_spec": {
+            "req_id": "evil",
+            "receiver_host": "10.6.6.6",
+            "receiver_init_port": [1],
+            "receiver_alloc_port": [2],
+        },
+        "ret_first_tok": True,
+        "do_remote_prefill": True,
+    }
+    engines = [(s.prefill, "127.0.0.1"), (s.decoders[0], "127.0.0.2"), (s.decoders[1], "127.0.0.3")]
+    for e, h in engines:
+        http_call(e.url(h) + "/sim/requests?clear=1")
+    rid = "test-" + uuid.uuid4().hex
+    for text in ("short", long_text()):
+        raw = client(router).chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=3,
+            extra_body={"kv_transfer_params": evil},
+            extra_headers={"X-Request-Id": rid},
+        )
+        assert raw.headers["x-request-id"] == rid
+    seen = []
+    for e, h in engines:
+        _, _, data = http_call(e.url(h) + "/sim/requests")
+        seen += json.loads(data)
+    assert seen
+    for rec in seen:
+        assert rec["x_request_id"] == rid
+        kv = rec["body"].get("kv_transfer_params")
+        if kv is not None:  # only the router's own prefill request carries one
+            assert rec["path"] == "/v1/completions"
+            assert kv["disagg_spec"]["req_id"].startswith(rid)
+            assert kv["disagg_spec"]["receiver_host"] in ("127.0.0.2", "127.0.0.3")
+        assert "evil" not in json.dumps(rec["body"])
+
+
+def test_unknown_notification_is_dropped_and_counted(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    before = metric_value(
+        router.url(), "pd_router_lmcache_notifications_total", {"result": "unknown"}
+    )
+    bad_before = metric_value(
+        router.url(), "pd_router_lmcache_notifications_total", {"result": "malformed"}
+    )
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"tcp://127.0.0.1:{s.notify_port}")
+    sock.send(encode_notif("nobody-waits-for-" + uuid.uuid4().hex))
+    sock.send(b"\x00not msgpack")
+    sock.close()
+    ctx.term()
+    wait_until(
+        lambda: (
+            metric_value(
+                router.url(), "pd_router_lmcache_notifications_total", {"result": "unknown"}
+            )
+            == before + 1
+        ),
+        "unknown counted",
+    )
+    wait_until(
+        lambda: (
+            metric_value(
+                router.url(), "pd_router_lmcache_notifications_total", {"result": "malformed"}
+            )
+            == bad_before + 1
+        ),
+        "malformed",
+    )
+    # and the router still serves disaggregated requests
+    assert _chat(router, long_text())[1] == "disaggregated"
+
+
+def test_missing_notification_times_out_and_falls_back(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    text = long_text(420)
+    before = metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "notify_timeout"})
+    set_fault(s.prefill, "no_notify")
+    try:
+        answer, route, _ = _chat(router, text)
+    finally:
+        set_fault(s.prefill, "none")
+    assert route == "fallback"
+    assert answer == _direct_engine(s.decoders[0], "127.0.0.2", text)
+    assert (
+        metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "notify_timeout"})
+        == before + 1
+    )
+    assert (
+        metric_value(
+            router.url(), "pd_router_requests_total", {"route": "fallback", "outcome": "ok"}
+        )
+        >= 1
+    )
+
+
+def test_prefill_error_falls_back_to_direct(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    text = long_text(410)
+    before = metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "prefill_error"})
+    set_fault(s.prefill, "error", count=1)
+    answer, route, _ = _chat(router, text)
+    assert route == "fallback"
+    assert answer == _direct_engine(s.decoders[0], "127.0.0.2", text)
+    assert (
+        metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "prefill_error"})
+        == before + 1
+    )
+
+
+def test_metrics_and_health_endpoints(lm: tuple[LMCacheStack, Proc]) -> None:
+    _, router = lm
+    assert http_call(router.url() + "/health")[0] == 200
+    assert http_call(router.url() + "/ready")[0] == 200
+    _, _, data = http_call(router.url() + "/metrics")
+    text = data.decode()
+    for name in (
+        "pd_router_requests_total",
+        "pd_router_ttft_seconds_bucket",
+        "pd_router_inter_token_seconds_bucket",
+        "pd_router_e2e_seconds_bucket",
+        "pd_router_prompt_tokens_bucket",
+        "pd_router_handoff_wait_seconds_bucket",
+        "pd_router_healthy_endpoints",
+        "pd_router_in_flight",
+        "pd_router_token_count_total",
+    ):
+        assert name in text, name
+    assert metric_value(router.url(), "pd_router_healthy_endpoints", {"pool": "decode"}) == 2
+    models = client(router).models.list()
+    assert [m.id for m in models.data] == [MODEL]

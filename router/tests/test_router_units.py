@@ -1,0 +1,97 @@
+"""Small units: LMCache wire format, balancing, auth, sim determinism, request validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pd_router import balancing
+from pd_router.app import validate
+from pd_router.auth import ApiKeys
+from pd_router.discovery import Endpoint
+from pd_router.lmcache_wire import decode_notif, encode_notif
+from pd_router.sim import model as M
+
+
+def test_proxy_notif_wire_format_matches_lmcache() -> None:
+    # bytes LMCache 0.5.6 produces for ProxyNotif(req_id="abc") (pd-protocols.md section 1)
+    expected = b"\x82\xa4type\xaaProxyNotif\xa6req_id\xa3abc"
+    assert encode_notif("abc") == expected
+    assert decode_notif(expected) == "abc"
+    for bad in (
+        b"\x82\xa4type\xa8OtherMsg\xa6req_id\xa3abc",
+        b"\x82\xa4type\xa9OtherMsg\xa6req_id\xa3abc",
+        b"\xff\x00garbage",
+        b"",
+        b"\x81\xa6req_id\x01",
+    ):
+        with pytest.raises(ValueError):
+            decode_notif(bad)
+
+
+def test_p2c_prefers_less_loaded() -> None:
+    a, b = Endpoint("http://a:1"), Endpoint("http://b:1")
+    a.active, b.active = 10, 0
+    picks = {balancing.pick([a, b], balancing.decode_load).base for _ in range(50)}
+    assert picks == {"http://b:1"}
+
+
+def test_pick_exclude_and_empty() -> None:
+    a, b = Endpoint("http://a:1"), Endpoint("http://b:1")
+    assert balancing.pick([a, b], balancing.decode_load, exclude=[a]) is b
+    assert balancing.pick([a], balancing.decode_load, exclude=[a]) is None
+    assert balancing.pick([], balancing.decode_load) is None
+
+
+def test_affinity_is_sticky_and_spreads() -> None:
+    eps = [Endpoint(f"http://d{i}:1") for i in range(4)]
+    first = balancing.pick(eps, balancing.decode_load, "session-1")
+    for e in eps:
+        e.active = 100 if e is first else 0
+    assert balancing.pick(eps, balancing.decode_load, "session-1") is first
+    chosen = {balancing.pick(eps, balancing.decode_load, f"s{i}").base for i in range(64)}
+    assert len(chosen) > 1
+
+
+def test_auth_keys(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("k1\n# comment\n\nk2\n")
+    keys = ApiKeys(str(f), env={"PD_ROUTER_API_KEYS": "k3, k4"})
+    assert keys.enabled
+    for k in ("k1", "k2", "k3", "k4"):
+        assert keys.check(f"Bearer {k}")
+    for bad in (None, "", "Bearer", "Bearer nope", "Basic k1", "k1"):
+        assert not keys.check(bad)
+    assert ApiKeys("", env={}).check(None)  # no keys: auth off
+
+
+def test_sim_disaggregated_continuation_equals_direct() -> None:
+    prompt = M.apply_chat_template([{"role": "user", "content": "hello there"}])
+    g = M.Generator(prompt, ignore_eos=True)
+    direct = [g.step() for _ in range(10)]
+    g2 = M.Generator([*prompt, direct[0]], ignore_eos=True)
+    assert [direct[0]] + [g2.step() for _ in range(9)] == direct
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "ok"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, True, True),
+        ({"messages": []}, True, False),
+        ({"messages": [{"content": "x"}]}, True, False),
+        ({"messages": [{"role": "user", "content": 5}]}, True, False),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, True, False),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, True, False),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, True, False),
+        ({"prompt": "x"}, False, True),
+        ({"prompt": [1, 2, 3]}, False, True),
+        ({"prompt": [[1, 2], [3]]}, False, True),
+        ({"prompt": [1, "a"]}, False, False),
+        ({"prompt": 5}, False, False),
+        ([], False, False),
+        ({"prompt": "x", "model": 3}, False, False),
+    ],
+)
+def test_validate(body: object, chat: bool, ok: bool) -> None:
+    assert (validate(body, chat) is None) is ok
