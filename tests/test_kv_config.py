@@ -158,7 +158,12 @@ def test_kv_buffer_check_accepts_a_buffer_that_fits(h4: Path) -> None:
 
 def test_kv_buffer_check_is_per_tensor_parallel_rank(h4: Path) -> None:
     # TP 8 over 8 KV heads: each rank holds one head, 2 x 80 x 1 x 128 x 2 x 8192 = 335,544,320 B.
-    shape = ("model.maxModelLen=8192", "model.kvShape.layers=80", "model.kvShape.kvHeads=8", "model.kvShape.headDim=128")
+    shape = (
+        "model.maxModelLen=8192",
+        "model.kvShape.layers=80",
+        "model.kvShape.kvHeads=8",
+        "model.kvShape.headDim=128",
+    )
     tp8 = ("prefill.tensorParallelSize=8", "decode.tensorParallelSize=8")
     assert helm.template(h4, sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544320",)).returncode == 0
     short = helm.template(h4, sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544319",))
