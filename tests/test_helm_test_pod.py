@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from pd_router.devstack import DEMO_CONFIG, Proc, Stack, free_port
+
 from tests import helm
 
 THRESHOLD = 64
