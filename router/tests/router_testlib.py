@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import http.client
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +42,23 @@ def write_config(workdir: Path, name: str, over: dict[str, Any]) -> Path:
     return path
 
 
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``pd-router ARGS`` to completion (the timeout only stops a broken test)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pd_router", *args],
+        capture_output=True,
+        check=False,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
 def http_call(
     url: str,
     method: str = "GET",
     body: bytes | None = None,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, Any] | None = None,
     timeout: float = 60,
 ) -> tuple[int, dict[str, str], bytes]:
     u = urlsplit(url)
@@ -55,6 +69,23 @@ def http_call(
         )
         r = conn.getresponse()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def post_raw_headers(port: int, path: str, obj: Any, headers: dict[str, str | bytes]) -> int:
+    """POST JSON with header values sent as given (bytes that are not UTF-8 included)."""
+    body = json.dumps(obj).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        for k, v in {**headers, "Content-Type": "application/json"}.items():
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
     finally:
         conn.close()
 
@@ -98,6 +129,24 @@ def wait_until(cond: Callable[[], bool], what: str, deadline_s: float = 60) -> N
 def client(router: Proc, **kw: Any) -> openai.OpenAI:
     kw.setdefault("api_key", "unused")
     return openai.OpenAI(base_url=router.url() + "/v1", max_retries=0, timeout=60, **kw)
+
+
+def chat_with_client_kv(router: Proc, text: str, evil: dict[str, Any], rid: str) -> str:
+    """A chat request carrying client-made hand-off fields (top level and in ``vllm_xargs``)
+    with request id ``rid``; checks the id is echoed and returns the route taken."""
+    raw = client(router).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=3,
+        extra_body={
+            "kv_transfer_params": evil,
+            "vllm_xargs": {"kv_transfer_params": evil, "keep_me": 1},
+        },
+        extra_headers={"X-Request-Id": rid},
+    )
+    assert raw.headers["x-request-id"] == rid
+    assert raw.parse().choices[0].message.content
+    return raw.headers["x-pd-route"]
 
 
 def set_fault(engine: Proc, mode: str, count: int = -1, host: str = "127.0.0.1") -> None:

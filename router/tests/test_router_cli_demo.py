@@ -6,23 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from router_testlib import run_cli, write_config
+
 ROUTER_DIR = Path(__file__).resolve().parents[1]
 
 
 def test_check_config_ok() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pd_router",
-            "check-config",
-            "--config",
-            str(ROUTER_DIR / "config.example.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = run_cli("check-config", "--config", str(ROUTER_DIR / "config.example.yaml"))
+    assert out.returncode == 0, out.stderr
     assert "servedName: llama-3.3-70b" in out.stdout
 
 
@@ -30,13 +21,7 @@ def test_bad_config_exits_2_naming_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("routing: {threshold: lots}\n")
     for cmd in ("check-config", "serve"):
-        out = subprocess.run(
-            [sys.executable, "-m", "pd_router", cmd, "--config", str(bad)],
-            capture_output=True,
-            check=False,
-            text=True,
-            timeout=60,
-        )
+        out = run_cli(cmd, "--config", str(bad))
         assert out.returncode == 2
         assert "routing.threshold" in out.stderr
 
@@ -45,21 +30,7 @@ def test_env_override_error_names_field(tmp_path: Path) -> None:
     import os
 
     env = {**os.environ, "PD_ROUTER__LIMITS__MAXINFLIGHT": "zero"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pd_router",
-            "check-config",
-            "--config",
-            str(ROUTER_DIR / "config.example.yaml"),
-        ],
-        capture_output=True,
-        check=False,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = run_cli("check-config", "--config", str(ROUTER_DIR / "config.example.yaml"), env=env)
     assert out.returncode == 2 and "limits.maxInFlight" in out.stderr
 
 
@@ -75,3 +46,17 @@ def test_demo_once() -> None:
     assert "route=direct" in out.stdout
     assert "route=disaggregated" in out.stdout
     assert "TTFT=" in out.stdout
+
+
+def test_busy_lmcache_notify_port_stops_start_up(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        cfg = write_config(tmp_path, "busy", {"lmcache": {"notifyPort": port}})
+        out = run_cli("serve", "--config", str(cfg))
+    assert out.returncode == 1, out.stderr
+    assert "cannot start: cannot bind lmcache.notifyPort" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -34,6 +35,7 @@ fields = st.sampled_from(
         "top_p",
         "stream_options",
         "kv_transfer_params",
+        "vllm_xargs",
         "logprobs",
         "tools",
         "ignore_eos",
@@ -79,6 +81,16 @@ bodies = st.one_of(
 )
 
 
+# header values as raw bytes, not necessarily UTF-8: whatever RFC 9110 allows in a field value
+# (VCHAR, obs-text, space, tab); control characters are refused by the HTTP parser itself
+header_values = st.binary(max_size=60).filter(
+    lambda v: all((b >= 32 and b != 127) or b == 9 for b in v)
+)
+hostile_headers = st.dictionaries(
+    st.sampled_from(["X-Request-Id", "x-session-id", "Authorization"]), header_values, max_size=3
+)
+
+
 @pytest.fixture(scope="module")
 def routers(stack: Stack) -> Iterator[list[Proc]]:
     lm = LMCacheStack(stack)
@@ -108,12 +120,14 @@ def routers(stack: Stack) -> Iterator[list[Proc]]:
     body=bodies,
     path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
     which=st.integers(0, 1),
+    headers=hostile_headers,
 )
-def test_hostile_bodies(routers: list[Proc], body: bytes, path: str, which: int) -> None:
+def test_hostile_bodies(
+    routers: list[Proc], body: bytes, path: str, which: int, headers: dict[str, bytes]
+) -> None:
     router = routers[which]
-    status, _, data = http_call(
-        router.url() + path, "POST", body, {"Content-Type": "application/json"}, timeout=30
-    )
+    hdrs: dict[str, Any] = {**headers, "Content-Type": "application/json"}
+    status, _, data = http_call(router.url() + path, "POST", body, hdrs, timeout=30)
     assert status < 500, (status, body[:200], data[:300])
     if status >= 400:
         err = json.loads(data)

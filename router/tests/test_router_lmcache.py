@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import zmq
 
-from pd_router.devstack import Proc, Stack
+from pd_router.devstack import Proc, Stack, free_port
 from pd_router.lmcache_wire import encode_notif
 from router_testlib import (
     MODEL,
     LMCacheStack,
+    chat_with_client_kv,
     client,
     http_call,
     long_text,
@@ -145,15 +146,8 @@ def test_client_kv_transfer_params_never_reach_engines(lm: tuple[LMCacheStack, P
     for e, h in engines:
         http_call(e.url(h) + "/sim/requests?clear=1")
     rid = "test-" + uuid.uuid4().hex
-    for text in ("short", long_text()):
-        raw = client(router).chat.completions.with_raw_response.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": text}],
-            max_tokens=3,
-            extra_body={"kv_transfer_params": evil},
-            extra_headers={"X-Request-Id": rid},
-        )
-        assert raw.headers["x-request-id"] == rid
+    for text, route in (("short", "direct"), (long_text(), "disaggregated")):
+        assert chat_with_client_kv(router, text, evil, rid) == route
     seen = []
     for e, h in engines:
         _, _, data = http_call(e.url(h) + "/sim/requests")
@@ -167,6 +161,8 @@ def test_client_kv_transfer_params_never_reach_engines(lm: tuple[LMCacheStack, P
             assert kv["disagg_spec"]["req_id"].startswith(rid)
             assert kv["disagg_spec"]["receiver_host"] in ("127.0.0.2", "127.0.0.3")
         assert "evil" not in json.dumps(rec["body"])
+        if rec["path"] != "/tokenize":  # the rest of vllm_xargs passes through
+            assert rec["body"]["vllm_xargs"] == {"keep_me": 1}
 
 
 def test_unknown_notification_is_dropped_and_counted(lm: tuple[LMCacheStack, Proc]) -> None:
@@ -207,21 +203,28 @@ def test_unknown_notification_is_dropped_and_counted(lm: tuple[LMCacheStack, Pro
     assert _chat(router, long_text())[1] == "disaggregated"
 
 
-def test_missing_notification_times_out_and_falls_back(lm: tuple[LMCacheStack, Proc]) -> None:
-    s, router = lm
-    text = long_text(420)
-    before = metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "notify_timeout"})
-    set_fault(s.prefill, "no_notify")
+def _falls_back(
+    s: LMCacheStack, router: Proc, fault: str, count: int, reason: str, words: int
+) -> None:
+    """With ``fault`` on the prefiller, a long chat is served by a decoder alone (route
+    ``fallback``, same answer as a direct request, ``fallbacks_total{reason}`` counted)."""
+    text = long_text(words)
+    before = metric_value(router.url(), "pd_router_fallbacks_total", {"reason": reason})
+    set_fault(s.prefill, fault, count=count)
     try:
         answer, route, _ = _chat(router, text)
     finally:
         set_fault(s.prefill, "none")
     assert route == "fallback"
     assert answer == _direct_engine(s.decoders[0], "127.0.0.2", text)
-    assert (
-        metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "notify_timeout"})
-        == before + 1
+    assert metric_value(router.url(), "pd_router_fallbacks_total", {"reason": reason}) == (
+        before + 1
     )
+
+
+def test_missing_notification_times_out_and_falls_back(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    _falls_back(s, router, "no_notify", -1, "notify_timeout", 420)
     assert (
         metric_value(
             router.url(), "pd_router_requests_total", {"route": "fallback", "outcome": "ok"}
@@ -232,16 +235,7 @@ def test_missing_notification_times_out_and_falls_back(lm: tuple[LMCacheStack, P
 
 def test_prefill_error_falls_back_to_direct(lm: tuple[LMCacheStack, Proc]) -> None:
     s, router = lm
-    text = long_text(410)
-    before = metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "prefill_error"})
-    set_fault(s.prefill, "error", count=1)
-    answer, route, _ = _chat(router, text)
-    assert route == "fallback"
-    assert answer == _direct_engine(s.decoders[0], "127.0.0.2", text)
-    assert (
-        metric_value(router.url(), "pd_router_fallbacks_total", {"reason": "prefill_error"})
-        == before + 1
-    )
+    _falls_back(s, router, "error", 1, "prefill_error", 410)
 
 
 def test_metrics_and_health_endpoints(lm: tuple[LMCacheStack, Proc]) -> None:
@@ -262,6 +256,54 @@ def test_metrics_and_health_endpoints(lm: tuple[LMCacheStack, Proc]) -> None:
         "pd_router_token_count_total",
     ):
         assert name in text, name
+    # every family of the issue's item 8 is declared, with its type
+    for family, kind in (
+        ("pd_router_requests_total", "counter"),
+        ("pd_router_ttft_seconds", "histogram"),
+        ("pd_router_inter_token_seconds", "histogram"),
+        ("pd_router_e2e_seconds", "histogram"),
+        ("pd_router_prompt_tokens", "histogram"),
+        ("pd_router_token_count_total", "counter"),
+        ("pd_router_handoff_wait_seconds", "histogram"),
+        ("pd_router_upstream_errors_total", "counter"),
+        ("pd_router_fallbacks_total", "counter"),
+        ("pd_router_retries_total", "counter"),
+        ("pd_router_healthy_endpoints", "gauge"),
+        ("pd_router_endpoints", "gauge"),
+        ("pd_router_in_flight", "gauge"),
+        ("pd_router_queued", "gauge"),
+        ("pd_router_rejected_total", "counter"),
+        ("pd_router_lmcache_notifications_total", "counter"),
+        ("pd_router_client_disconnects_total", "counter"),
+    ):
+        assert f"# TYPE {family} {kind}" in text, family
+    base = router.url()
+    ok_labels = {"route": "disaggregated", "outcome": "ok"}
+    ok_before = metric_value(base, "pd_router_requests_total", ok_labels)
+    waits = metric_value(base, "pd_router_handoff_wait_seconds_count", {"connector": "lmcache"})
+    ttfts = metric_value(base, "pd_router_ttft_seconds_count", {"route": "direct"})
+    assert _chat(router, "short")[1] == "direct"
+    assert _chat(router, long_text())[1] == "disaggregated"
+    assert metric_value(base, "pd_router_requests_total", ok_labels) == ok_before + 1
+    assert metric_value(base, "pd_router_handoff_wait_seconds_count", {"connector": "lmcache"}) == (
+        waits + 1
+    )
+    assert metric_value(base, "pd_router_ttft_seconds_count", {"route": "direct"}) == ttfts + 1
     assert metric_value(router.url(), "pd_router_healthy_endpoints", {"pool": "decode"}) == 2
     models = client(router).models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_prefill_timeout_falls_back_to_direct(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, _ = lm
+    router = s.router(
+        "lm-router-short-prefill",
+        {"timeouts": {"prefillSeconds": 1}, "lmcache": {"notifyPort": free_port()}},
+    )
+    aborted = metric_value(s.prefill.url(), "pd_sim_aborted_total")
+    _falls_back(s, router, "hang", 1, "prefill_timeout", 415)
+    # the timed-out prefill request was closed, so the engine aborted it
+    wait_until(
+        lambda: metric_value(s.prefill.url(), "pd_sim_aborted_total") == aborted + 1,
+        "prefiller aborted the timed-out request",
+    )

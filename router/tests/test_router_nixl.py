@@ -5,20 +5,24 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
+from pd_router import handoff_nixl
 from pd_router.devstack import Proc, Stack, free_port
 from router_testlib import (
     MODEL,
+    chat_with_client_kv,
     client,
     http_call,
     long_text,
     metric_value,
     post_json,
+    post_raw_headers,
     set_fault,
     wait_until,
     write_config,
@@ -228,11 +232,62 @@ def test_client_disconnect_closes_upstream(nx: Nixl, router: Proc) -> None:
         return sum(metric_value(d.url(), "vllm:num_requests_running") for d in nx.decoders)
 
     assert running() == 1
+    aborted = _engine_sum(nx.decoders, "pd_sim_aborted_total")
     conn.sock.close()
     conn.close()
     wait_until(lambda: running() == 0, "engine saw the disconnect and aborted")
     wait_until(
+        lambda: _engine_sum(nx.decoders, "pd_sim_aborted_total") == aborted + 1, "engine aborted"
+    )
+    wait_until(
         lambda: metric_value(router.url(), "pd_router_client_disconnects_total") >= 1,
+        "disconnect counted",
+    )
+
+
+def _engine_sum(engines: list[Proc], name: str) -> float:
+    return sum(metric_value(e.url(), name) for e in engines)
+
+
+@pytest.fixture(scope="module")
+def patient(nx: Nixl) -> Proc:
+    """A router whose timeouts never fire during a test."""
+    return nx.router(
+        "nx-router-patient",
+        {"timeouts": {"prefillSeconds": 120, "firstByteSeconds": 120, "streamIdleSeconds": 120}},
+    )
+
+
+@pytest.mark.parametrize("leg", ["decode_direct", "prefill"])
+def test_client_disconnect_before_first_byte_aborts_upstream(
+    nx: Nixl, patient: Proc, leg: str
+) -> None:
+    """A non-streaming client leaves while the engine is still working (direct route: the
+    decoder; disaggregated route: the prefiller): the router closes that upstream request."""
+    r = patient
+    engines = [nx.prefill] if leg == "prefill" else nx.decoders
+    for e in engines:
+        set_fault(e, "hang")
+    text = long_text() if leg == "prefill" else "leaving soon"
+    aborted = _engine_sum(engines, "pd_sim_aborted_total")
+    gone = metric_value(r.url(), "pd_router_client_disconnects_total")
+    conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 5}),
+        headers={"Content-Type": "application/json"},
+    )
+    wait_until(lambda: _engine_sum(engines, "pd_sim_requests_hanging") == 1, "engine has it")
+    conn.sock.close()
+    conn.close()
+    wait_until(
+        lambda: _engine_sum(engines, "pd_sim_aborted_total") == aborted + 1,
+        "engine saw the disconnect and aborted",
+    )
+    assert _engine_sum(engines, "pd_sim_requests_hanging") == 0
+    wait_until(
+        lambda: metric_value(r.url(), "pd_router_client_disconnects_total") == gone + 1,
         "disconnect counted",
     )
 
@@ -269,10 +324,55 @@ def test_overload_429_and_503(nx: Nixl) -> None:
     conn.close()
 
 
+def _is_openai_error(body: Any, status: int) -> bool:
+    err = body["error"]
+    return (
+        set(err) == {"message", "type", "param", "code"}
+        and isinstance(err["message"], str)
+        and err["message"]
+        and err["type"] == "invalid_request_error"
+        and err["code"] == status
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", [1, 2]),
+        ("/v1/chat/completions", "just a string"),
+        ("/v1/chat/completions", {"messages": "hi"}),
+        ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": "ten"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 1.5}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "stream": "yes"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "temperature": "hot"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "stream_options": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "model": 7}),
+        ("/v1/completions", {"prompt": 5}),
+        ("/v1/completions", {"prompt": []}),
+        ("/v1/completions", {"prompt": [1, "a"]}),
+        ("/v1/completions", {"prompt": "x", "n": True}),
+    ],
+)
+def test_wrong_types_are_400_in_openai_format(router: Proc, path: str, body: Any) -> None:
+    status, got, hdrs = post_json(router.url() + path, body)
+    assert status == 400, got
+    assert hdrs["content-type"].startswith("application/json")
+    assert _is_openai_error(got, 400), got
+
+
 def test_bad_requests(router: Proc) -> None:
     url = router.url() + "/v1/chat/completions"
     status, _, data = http_call(url, "POST", b"{not json", {"Content-Type": "application/json"})
     assert status == 400 and json.loads(data)["error"]["message"].startswith("malformed JSON")
+    assert _is_openai_error(json.loads(data), 400)
+    with pytest.raises(openai.BadRequestError):
+        client(router).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"n": "two"}
+        )
     status, body, _ = post_json(url, {"messages": "hi"})
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, body, _ = post_json(
@@ -288,6 +388,7 @@ def test_body_too_large(nx: Nixl) -> None:
     big = {"messages": [{"role": "user", "content": "x" * 5000}]}
     status, body, _ = post_json(r.url() + "/v1/chat/completions", big)
     assert status == 413 and body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == 413
     # chunked upload without Content-Length
     conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
     conn.request(
@@ -336,6 +437,10 @@ def test_api_keys(nx: Nixl) -> None:
     assert http_call(r.url() + "/metrics")[0] == 401
     assert http_call(r.url() + "/metrics", headers={"Authorization": "Bearer other"})[0] == 200
     assert http_call(r.url() + "/v1/models")[0] == 401
+    # a key that is not UTF-8 is just a wrong key (401, not a 500)
+    msg = {"messages": [{"role": "user", "content": "x"}]}
+    auth = {"Authorization": b"Bearer \xff\xfe"}
+    assert post_raw_headers(r.port, "/v1/chat/completions", msg, auth) == 401
 
 
 def test_dns_discovery(nx: Nixl) -> None:
@@ -366,3 +471,58 @@ def test_session_affinity_pins_decoder(nx: Nixl) -> None:
         _chat(r, f"turn {i}", extra_headers={"x-session-id": "user-42"})
     counts = [len(json.loads(http_call(d.url() + "/sim/requests")[2])) for d in nx.decoders]
     assert sorted(counts) == [0, 8]
+    # a session id that is not UTF-8 still picks a decoder (no 500)
+    msg = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    sess = {"x-session-id": b"\xff\xfe-user"}
+    assert post_raw_headers(r.port, "/v1/chat/completions", msg, sess) == 200
+
+
+def test_client_kv_transfer_params_never_reach_engines(nx: Nixl, router: Proc) -> None:
+    """Hand-off fields are the router's alone: a client's ``kv_transfer_params`` (top level
+    or smuggled in ``vllm_xargs``, which vLLM merges into the same place) reach no engine, on
+    the direct and on the disaggregated route; the request id goes to every engine."""
+    evil = {
+        "do_remote_prefill": True,
+        "do_remote_decode": True,
+        "remote_engine_id": "evil-engine",
+        "remote_block_ids": [6, 6, 6],
+        "remote_host": "10.6.6.6",
+        "remote_port": 6666,
+    }
+    engines = [nx.prefill, *nx.decoders]
+    for e in engines:
+        http_call(e.url() + "/sim/requests?clear=1")
+    rid = "nixl-kv-" + uuid.uuid4().hex
+    for text, route in (("short", "direct"), (long_text(), "disaggregated")):
+        assert chat_with_client_kv(router, text, evil, rid) == route
+    seen = {e.name: json.loads(http_call(e.url() + "/sim/requests")[2]) for e in engines}
+    prefills = seen[nx.prefill.name]
+    decodes = [rec for d in nx.decoders for rec in seen[d.name]]
+    assert len(prefills) == 1 and len(decodes) == 2
+    for rec in prefills + decodes:
+        assert rec["x_request_id"] == rid
+        assert "evil" not in json.dumps(rec["body"]) and "6666" not in json.dumps(rec["body"])
+        assert rec["body"]["vllm_xargs"] == {"keep_me": 1}  # the rest passes through
+    assert prefills[0]["body"]["kv_transfer_params"] == handoff_nixl.PREFILL_PARAMS
+    kv_by_route = sorted(
+        (rec["body"].get("kv_transfer_params") or {}).get("remote_engine_id", "none")
+        for rec in decodes
+    )
+    assert kv_by_route[0] != "none" and kv_by_route[1] == "none"  # only the disagg leg has kv
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_prompts_are_logged_only_when_configured(nx: Nixl, log_prompts: bool) -> None:
+    r = nx.router(
+        f"nx-router-log-{log_prompts}".lower(),
+        {"logging": {"level": "info", "logPrompts": log_prompts}},
+    )
+    secret = "zebra-" + uuid.uuid4().hex
+    rid = "log-" + uuid.uuid4().hex
+    for text in (f"my secret is {secret}", f"{long_text()} {secret}"):  # both routes
+        _chat(r, text, extra_headers={"X-Request-Id": rid})
+    wait_until(lambda: r.log_tail(10**6).count(rid) >= 2, "request lines logged")
+    lines = [json.loads(x) for x in r.log_tail(10**6).splitlines() if x.startswith("{")]
+    mine = [x for x in lines if x.get("request_id") == rid]
+    assert {x["route"] for x in mine if x["msg"] == "request"} == {"direct", "disaggregated"}
+    assert (secret in r.log_tail(10**6)) is log_prompts

@@ -9,6 +9,7 @@ import pytest
 from pd_router import balancing
 from pd_router.app import validate
 from pd_router.auth import ApiKeys
+from pd_router.config import ConfigError
 from pd_router.discovery import Endpoint
 from pd_router.lmcache_wire import decode_notif, encode_notif
 from pd_router.sim import model as M
@@ -61,8 +62,10 @@ def test_auth_keys(tmp_path: Path) -> None:
     assert keys.enabled
     for k in ("k1", "k2", "k3", "k4"):
         assert keys.check(f"Bearer {k}")
-    for bad in (None, "", "Bearer", "Bearer nope", "Basic k1", "k1"):
+    for bad in (None, "", "Bearer", "Bearer nope", "Basic k1", "k1", "Bearer \udcff\udcfe"):
         assert not keys.check(bad)
+    with pytest.raises(ConfigError, match=r"^auth\.apiKeysFile: "):
+        ApiKeys(str(tmp_path / "missing"), env={})
     assert ApiKeys("", env={}).check(None)  # no keys: auth off
 
 

@@ -1,4 +1,5 @@
-"""HTTP surface of the router (aiohttp server + pooled aiohttp client on uvloop).
+"""HTTP surface of the router (aiohttp server on uvloop; engine calls through the pooled
+httptools client in ``upstream.py``, health checks through aiohttp's client).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` (alive), ``GET /ready`` (a healthy decoder exists), ``GET /metrics``.
@@ -136,6 +137,20 @@ def validate(body: Any, chat: bool) -> str | None:
     return None
 
 
+def strip_handoff_fields(body: dict[str, Any]) -> bool:
+    """Remove what a client sent to steer the KV hand-off (it belongs to the router alone):
+    top-level ``kv_transfer_params`` and ``vllm_xargs.kv_transfer_params`` (vLLM merges
+    ``vllm_xargs`` into ``SamplingParams.extra_args``, where its connectors read
+    ``kv_transfer_params``; checked against vLLM's ``to_sampling_params``). True if changed."""
+    changed = "kv_transfer_params" in body
+    body.pop("kv_transfer_params", None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
+        changed = True
+    return changed
+
+
 def _is_batch(prompt: list[Any]) -> bool:
     """A list of strings or of token lists with more than one entry (not one token list)."""
     return len(prompt) > 1 and not all(type(t) is int for t in prompt)
@@ -185,6 +200,12 @@ class Router:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        if self.lmcache:  # first: a port already taken stops start-up before anything else
+            lm = self.cfg.lmcache
+            self.listener = handoff_lmcache.NotifyListener(
+                lm.notify_bind_host, lm.notify_port, lm.notifications_per_request, self.metrics
+            )
+            await self.listener.start()
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=None
         )
@@ -194,12 +215,6 @@ class Router:
             skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: skip cookie work
         )
-        if self.lmcache:
-            lm = self.cfg.lmcache
-            self.listener = handoff_lmcache.NotifyListener(
-                lm.notify_bind_host, lm.notify_port, lm.notifications_per_request, self.metrics
-            )
-            await self.listener.start()
         await asyncio.gather(self.prefill.start(self.session), self.decode.start(self.session))
         if self.cfg.auth.api_keys_file:
             self._bg.append(asyncio.get_running_loop().create_task(self._keys_loop()))
@@ -384,9 +399,7 @@ class Router:
         if model is not None and model != self.served:
             self._count("none", "bad_request")
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if "kv_transfer_params" in body:
-            # Hand-off fields belong to the router alone: never forward a client's.
-            del body["kv_transfer_params"]
+        if strip_handoff_fields(body):
             raw = orjson.dumps(body)
         if self.affinity_header:
             ctx.affinity = request.headers.get(self.affinity_header) or None
@@ -499,11 +512,9 @@ class Router:
                 raise
             if resp.status >= 500:
                 try:
-                    body = await resp.read()
-                    resp.release()
+                    body = await resp.read_release()
                 except _UPSTREAM_ERRORS:
                     body = b""
-                    resp.close()
                 ep.active -= 1
                 pool.report_failure(ep)
                 m.upstream_errors.labels("decode", "5xx").inc()
@@ -546,29 +557,55 @@ class Router:
         stream: bool,
     ) -> web.StreamResponse:
         """Forward an upstream response (bytes as they come, no re-encoding)."""
-        ttft_h, itl_h, e2e_h = self._route_hist[ctx.route]
-        hdrs = {"x-pd-route": ctx.route, "x-request-id": ctx.rid}
-        ctype = resp.headers.get("content-type", "application/json")
-        ok = False
-        try:
-            if not stream or resp.status != 200:
-                data = await resp.read()
-                now = time.perf_counter()
-                if resp.status == 200:
-                    ttft_h.observe(now - ctx.t0)
-                    e2e_h.observe(now - ctx.t0)
-                hdrs["Content-Type"] = ctype
-                self._count(ctx.route, "ok" if resp.status < 400 else "client_error")
-                ok = True
-                return web.Response(status=resp.status, body=data, headers=hdrs)
-            hdrs["Content-Type"] = ctype
+        hdrs = {
+            "x-pd-route": ctx.route,
+            "x-request-id": ctx.rid,
+            "Content-Type": resp.headers.get("content-type", "application/json"),
+        }
+        if stream and resp.status == 200:
             hdrs["Cache-Control"] = "no-cache"
             out = web.StreamResponse(status=200, headers=hdrs)
-            await out.prepare(request)
-            last = 0.0
-            loop = asyncio.get_running_loop()
-            stall = self._stall
-            guard = None
+            try:
+                await out.prepare(request)
+            except BaseException:
+                ep.active -= 1
+                resp.close()  # client went away: close so the engine aborts the request
+                raise
+            return await self._pump(ctx, out, resp, ep, None)
+        try:
+            data = await resp.read_release()  # closed on failure or client disconnect
+        except _UPSTREAM_ERRORS as exc:
+            kind = "timeout" if isinstance(exc, TimeoutError) else "stream"
+            self.metrics.upstream_errors.labels("decode", kind).inc()
+            self.decode.report_failure(ep)
+            return self._fail_response(ctx, _UpstreamFailed(504 if kind == "timeout" else 502))
+        finally:
+            ep.active -= 1
+        if resp.status == 200:
+            ttft_h, _, e2e_h = self._route_hist[ctx.route]
+            now = time.perf_counter()
+            ttft_h.observe(now - ctx.t0)
+            e2e_h.observe(now - ctx.t0)
+        self._count(ctx.route, "ok" if resp.status < 400 else "client_error")
+        return web.Response(status=resp.status, body=data, headers=hdrs)
+
+    async def _pump(
+        self,
+        ctx: Ctx,
+        out: web.StreamResponse,
+        resp: Response,
+        ep: Endpoint,
+        relabel: Any,
+    ) -> web.StreamResponse:
+        """Forward a decoder's SSE body to the client as it arrives: bytes as they are, or
+        through ``relabel(chunk) -> bytes``. Owns ``resp`` and the endpoint's active count."""
+        ttft_h, itl_h, e2e_h = self._route_hist[ctx.route]
+        ok = False
+        last = time.perf_counter() if ctx.ttft_done else 0.0
+        loop = asyncio.get_running_loop()
+        stall = self._stall
+        guard = None
+        try:
             try:
                 # guard: a client that stops reading must not hold the stream forever
                 async with asyncio.timeout(stall) as guard:
@@ -576,13 +613,15 @@ class Router:
                         now = time.perf_counter()
                         if last:
                             itl_h.observe(now - last)
-                        elif not ctx.ttft_done:
+                        else:
                             ttft_h.observe(now - ctx.t0)
                         last = now
-                        try:
-                            await out.write(chunk)
-                        except ConnectionError:
-                            raise _ClientGone from None
+                        data = chunk if relabel is None else relabel(chunk)
+                        if data:
+                            try:
+                                await out.write(data)
+                            except ConnectionError:
+                                raise _ClientGone from None
                         guard.reschedule(loop.time() + stall)
             except _ClientGone:
                 return self._client_gone(ctx, out)
@@ -634,12 +673,7 @@ class Router:
             r = await self.up.post(
                 ep.host, ep.port, ep.tls, path, orjson.dumps(body), ctx.headers, ps, ps
             )
-            try:
-                raw = await r.read()
-            except BaseException:
-                r.close()
-                raise
-            r.release()
+            raw = await r.read_release()
             status = r.status
         finally:
             ep.active -= 1
@@ -829,7 +863,7 @@ class Router:
             return out
         if out is None:
             return await self._lmcache_full(ctx, resp, dep, chat, sid, first_text)
-        return await self._lmcache_stream(request, ctx, out, resp, dep, chat, sid)
+        return await self._lmcache_stream(ctx, out, resp, dep, chat, sid)
 
     async def _open_pinned(
         self, ctx: Ctx, dec: Endpoint, data: bytes, stream: bool
@@ -870,25 +904,7 @@ class Router:
     def _first_chunk(
         self, chat: bool, sid: str, created: int, text: str, finish: Any, last: bool
     ) -> dict[str, Any]:
-        fr = (finish or "length") if last else None
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": fr,
-            }
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
-            obj = "text_completion"
-        return {
-            "id": sid,
-            "object": obj,
-            "created": created,
-            "model": self.served,
-            "choices": [choice],
-        }
+        return self._answer(chat, sid, created, text, (finish or "length") if last else None)
 
     async def _lmcache_first_only(
         self,
@@ -928,25 +944,28 @@ class Router:
     def _full_body(
         self, chat: bool, sid: str, created: int, text: str, finish: Any, usage: Any
     ) -> dict[str, Any]:
+        return self._answer(chat, sid, created, text, finish, usage)
+
+    def _answer(
+        self, chat: bool, sid: str, created: int, text: str, finish: Any, usage: Any = False
+    ) -> dict[str, Any]:
+        """A whole answer (``usage`` given) or a stream chunk (``usage`` left out), in the
+        chat or the completions shape."""
+        chunk = usage is False
+        choice: dict[str, Any] = {"index": 0}
         if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-            obj = "chat.completion"
+            choice["delta" if chunk else "message"] = {"role": "assistant", "content": text}
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice["text"] = text
             obj = "text_completion"
-        return {
-            "id": sid,
-            "object": obj,
-            "created": created,
-            "model": self.served,
-            "choices": [choice],
-            "usage": usage,
-        }
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        out = {"id": sid, "object": obj, "created": created, "model": self.served}
+        out["choices"] = [choice]
+        if not chunk:
+            out["usage"] = usage
+        return out
 
     async def _lmcache_full(
         self,
@@ -959,15 +978,13 @@ class Router:
     ) -> web.StreamResponse:
         hdrs = {"x-pd-route": ctx.route, "x-request-id": ctx.rid}
         try:
-            raw = await resp.read()
-            status = resp.status
+            raw = await resp.read_release()  # closed on failure or client disconnect
         except _UPSTREAM_ERRORS:
-            resp.close()
             self.metrics.upstream_errors.labels("decode", "stream").inc()
             return self._fail_response(ctx, _UpstreamFailed(502))
         finally:
             dep.active -= 1
-        resp.release()
+        status = resp.status
         if status != 200:
             self._count(ctx.route, "client_error")
             return web.Response(
@@ -997,7 +1014,6 @@ class Router:
 
     async def _lmcache_stream(
         self,
-        request: web.Request,
         ctx: Ctx,
         out: web.StreamResponse,
         resp: Response,
@@ -1006,50 +1022,15 @@ class Router:
         sid: str,
     ) -> web.StreamResponse:
         """Relay the decode leg's SSE events, re-labelled with our id (and as chat chunks)."""
-        _, itl_h, e2e_h = self._route_hist[ctx.route]
-        ok = False
         buf = b""
-        last = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        stall = self._stall
-        guard = None
-        try:
-            try:
-                async with asyncio.timeout(stall) as guard:
-                    async for chunk in resp.iter_any():
-                        now = time.perf_counter()
-                        itl_h.observe(now - last)
-                        last = now
-                        buf += chunk
-                        *events, buf = buf.split(b"\n\n")
-                        outb = self._relabel(events, chat, sid)
-                        if outb:
-                            try:
-                                await out.write(b"".join(outb))
-                            except ConnectionError:
-                                raise _ClientGone from None
-                        guard.reschedule(loop.time() + stall)
-            except _ClientGone:
-                return self._client_gone(ctx, out)
-            except _UPSTREAM_ERRORS:
-                if guard is not None and guard.expired():
-                    return self._client_gone(ctx, out)
-                self.metrics.upstream_errors.labels("decode", "stream").inc()
-                await self._stream_error(out, "upstream stream failed")
-                self._count(ctx.route, "upstream_error")
-                ok = True
-                return out
-            await out.write_eof()
-            e2e_h.observe(time.perf_counter() - ctx.t0)
-            self._count(ctx.route, "ok")
-            ok = True
-            return out
-        finally:
-            dep.active -= 1
-            if ok:
-                resp.release()
-            else:
-                resp.close()
+
+        def relabel(chunk: bytes) -> bytes:
+            nonlocal buf
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            return b"".join(self._relabel(events, chat, sid))
+
+        return await self._pump(ctx, out, resp, dep, relabel)
 
     def _relabel(self, events: list[bytes], chat: bool, sid: str) -> list[bytes]:
         """Decode-leg SSE events re-labelled with our id (and as chat chunks)."""

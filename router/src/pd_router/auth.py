@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from pd_router.config import ConfigError
+
 ENV_KEYS = "PD_ROUTER_API_KEYS"
 
 
@@ -18,7 +20,11 @@ class ApiKeys:
         self.env = os.environ if env is None else env
         self._mtime: float | None = None
         self._keys: list[bytes] = []
-        self.reload()
+        try:
+            self.reload()
+        except (OSError, UnicodeDecodeError) as exc:
+            msg = f"auth.apiKeysFile: cannot read {keys_file!r}: {exc}"
+            raise ConfigError(msg) from None
 
     def _read(self) -> list[str]:
         keys: list[str] = []
@@ -54,7 +60,8 @@ class ApiKeys:
             return True
         if not authorization or not authorization.startswith("Bearer "):
             return False
-        given = authorization[7:].strip().encode()
+        # header bytes that are not UTF-8 arrive as surrogate escapes: compare them as bytes
+        given = authorization[7:].strip().encode("utf-8", "surrogateescape")
         ok = False
         for key in self._keys:  # no early exit: time does not depend on which key matched
             ok |= hmac.compare_digest(given, key)

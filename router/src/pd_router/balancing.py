@@ -21,7 +21,8 @@ def prefill_load(ep: Endpoint) -> int:
 
 
 def _score(key: str, ep: Endpoint) -> bytes:
-    return hashlib.blake2b(f"{key}\x00{ep.base}".encode(), digest_size=8).digest()
+    data = f"{key}\x00{ep.base}".encode("utf-8", "surrogateescape")  # any header bytes
+    return hashlib.blake2b(data, digest_size=8).digest()
 
 
 def pick(

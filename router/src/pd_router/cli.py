@@ -12,6 +12,7 @@ import sys
 
 from pd_router import __version__
 from pd_router.config import ConfigError, RouterConfig, load_config, to_dict
+from pd_router.devstack import write_port_file
 
 
 def _load(path: str) -> RouterConfig:
@@ -30,11 +31,7 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
     site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_address=True)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    if port_file:
-        tmp = port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, port_file)
+    write_port_file(port_file, port)
     import logging
 
     logging.getLogger("pd_router").warning(

@@ -23,6 +23,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def write_port_file(path: str | None, port: int) -> None:
+    """Tell the starter (``_spawn``) the bound port: written atomically once listening."""
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)
+
+
 class Proc:
     def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path, port: int) -> None:
         self.name = name

@@ -153,7 +153,9 @@ class EndpointPool:
             return list(self.cfg.static)
         d = self.cfg.dns
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(d.name, d.port, type=socket.SOCK_STREAM)
+        # bounded like every other outside call (TimeoutError is an OSError: last set kept)
+        async with asyncio.timeout(max(2.0, d.refresh_seconds)):
+            infos = await loop.getaddrinfo(d.name, d.port, type=socket.SOCK_STREAM)
         bases = set()
         for family, _, _, _, addr in infos:
             ip = addr[0]

@@ -152,7 +152,13 @@ class NotifyListener:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 100000)
         host = "*" if self.bind_host in ("0.0.0.0", "", "*") else self.bind_host
-        self._sock.bind(f"tcp://{host}:{self.port}")
+        try:
+            self._sock.bind(f"tcp://{host}:{self.port}")
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            self._ctx.term()
+            msg = f"cannot bind lmcache.notifyPort on {self.bind_host}:{self.port}: {exc}"
+            raise OSError(msg) from None
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
         log.info("LMCache notification PULL socket bound on %s:%d", self.bind_host, self.port)
 

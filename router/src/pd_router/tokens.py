@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from pd_router.config import ConfigError
 from pd_router.discovery import Endpoint
 from pd_router.upstream import UpstreamClient
 
@@ -73,13 +74,19 @@ def token_ids_prompt(body: dict[str, Any]) -> list[int] | None:
 
 
 def load_local_tokenizer(spec: str) -> Any:
-    """Load ``tokenizer.json`` from a file path or a directory containing it."""
+    """Load ``tokenizer.json`` from a file path or a directory containing it (at start-up;
+    a path that does not hold a loadable tokenizer is a :class:`ConfigError` naming
+    ``model.tokenizer``)."""
     from tokenizers import Tokenizer
 
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for every failure
+        msg = f"model.tokenizer: cannot load a tokenizer from {str(path)!r}: {exc}"
+        raise ConfigError(msg) from None
 
 
 class TokenCounter:
@@ -117,12 +124,7 @@ class TokenCounter:
             resp = await up.post(
                 ep.host, ep.port, ep.tls, "/tokenize", orjson.dumps(req), headers, timeout, timeout
             )
-            try:
-                data = await resp.read()
-            except BaseException:
-                resp.close()
-                raise
-            resp.release()
+            data = await resp.read_release()
         if resp.status != 200:
             raise RuntimeError(f"/tokenize answered {resp.status}")
         out = orjson.loads(data)

@@ -4,10 +4,13 @@ Why not aiohttp's client here: measured on 2 cores (README "HTTP stack"), aiohtt
 ``ClientSession.post`` costs about as much CPU as the rest of a proxied request together
 (cookies, redirects, tracing, URL and header objects). This client does only what an engine
 call needs: keep-alive connection pool per endpoint, one ``write`` per request, response
-parsing by ``httptools`` (the llhttp C parser, as used by uvicorn), Content-Length and chunked
-bodies, streaming without copies, flow control, and timeouts (connect, time to headers, idle
-gap between body chunks). A connection whose response was not read to the end is closed,
-never reused, so the engine sees the disconnect and aborts the request.
+parsing by ``httptools`` (the llhttp C parser, as used by uvicorn), Content-Length, chunked and
+read-until-close bodies, interim 1xx responses skipped, streaming without copies, flow control,
+and timeouts (connect, time to headers, idle gap between body chunks). A connection whose
+response was not read to the end is closed, never reused, so the engine sees the disconnect and
+aborts the request. A pooled connection the engine closed while idle is detected (or, when the
+close races the request, the request is sent once more on a new connection); a connection that
+receives bytes while idle is dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ class UpstreamError(ConnectionError):
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("closed", "got_bytes", "parser", "pool", "resp", "transport")
+    __slots__ = (
+        "closed",
+        "framed",
+        "got_bytes",
+        "interim",
+        "parser",
+        "pool",
+        "resp",
+        "transport",
+    )
 
     def __init__(self, pool: _HostPool) -> None:
         self.pool = pool
@@ -35,12 +47,18 @@ class _Conn(asyncio.Protocol):
         self.resp: Response | None = None
         self.closed = False
         self.got_bytes = False
+        self.framed = False  # the response has Content-Length or Transfer-Encoding
+        self.interim = False  # parsing a 1xx interim response (skipped)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.resp is None:
+            # bytes nobody asked for (an idle pooled connection): never reuse it
+            self.close()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -52,7 +70,11 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         r = self.resp
         if r is not None and not r.complete:
-            r._fail(UpstreamError("engine closed the connection"), stale=not self.got_bytes)
+            if exc is None and r.status and r.until_eof:
+                r.complete = True  # a body delimited by the end of the connection
+                r._wake()
+            else:
+                r._fail(UpstreamError("engine closed the connection"), stale=not self.got_bytes)
 
     def pause_writing(self) -> None:  # pragma: no cover - request bodies are small
         pass
@@ -63,15 +85,26 @@ class _Conn(asyncio.Protocol):
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         # only the headers the router uses are kept (it forwards none of the others)
-        if self.resp is not None and len(name) == 12 and name.lower() == b"content-type":
+        n = len(name)
+        if n == 12 and self.resp is not None and name.lower() == b"content-type":
             self.resp.headers["content-type"] = value.decode("latin-1")
+        elif n in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
 
     def on_headers_complete(self) -> None:
+        framed, self.framed = self.framed, False
+        code = self.parser.get_status_code()
+        if code < 200:
+            self.interim = True  # 100 Continue / 103 Early Hints: the real response follows
+            return
         r = self.resp
-        if r is not None:
-            r.status = self.parser.get_status_code()
-            r.keep_alive = self.parser.should_keep_alive()
-            r._wake()
+        if r is None:  # a response nobody asked for (pipelined after ours): unusable
+            self.close()
+            return
+        r.status = code
+        r.keep_alive = self.parser.should_keep_alive()
+        r.until_eof = not framed and code not in (204, 304)
+        r._wake()
 
     def on_body(self, body: bytes) -> None:
         r = self.resp
@@ -79,9 +112,13 @@ class _Conn(asyncio.Protocol):
             r._feed(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         r = self.resp
         if r is not None:
             r.complete = True
+            self.resp = None  # whatever the engine sends after this is not ours
             r._wake()
 
     def _fail(self, exc: Exception) -> None:
@@ -111,6 +148,7 @@ class Response:
         "headers",
         "keep_alive",
         "status",
+        "until_eof",
     )
 
     def __init__(self, conn: _Conn, idle: float) -> None:
@@ -119,6 +157,7 @@ class Response:
         self.status = 0
         self.headers: dict[str, str] = {}
         self.keep_alive = False
+        self.until_eof = False
         self.complete = False
         self._buf: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -189,6 +228,16 @@ class Response:
             parts.append(chunk)
         return b"".join(parts)
 
+    async def read_release(self) -> bytes:
+        """The whole body; then the connection goes back to the pool (closed on failure)."""
+        try:
+            data = await self.read()
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+        return data
+
     def release(self) -> None:
         conn = self._conn
         conn.resp = None
@@ -228,10 +277,10 @@ class _HostPool:
 class UpstreamClient:
     def __init__(self, connect_timeout: float) -> None:
         self.connect_timeout = connect_timeout
-        self._pools: dict[tuple[str, int], _HostPool] = {}
+        self._pools: dict[tuple[str, int, bool], _HostPool] = {}
 
     def _pool(self, host: str, port: int, tls: bool) -> _HostPool:
-        key = (host, port)
+        key = (host, port, tls)
         p = self._pools.get(key)
         if p is None:
             p = self._pools[key] = _HostPool(host, port, tls)

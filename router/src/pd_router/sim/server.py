@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -25,10 +24,21 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from pd_router.devstack import write_port_file
 from pd_router.lmcache_wire import encode_notif
 from pd_router.sim import model as M
 
-FAULTS = ("none", "error", "hang", "slow", "unhealthy", "no_notify", "bad_request", "stall")
+FAULTS = (
+    "none",
+    "error",
+    "hang",
+    "slow",
+    "unhealthy",
+    "no_notify",
+    "bad_request",
+    "stall",
+    "tokenize_error",
+)
 
 
 @dataclass
@@ -175,6 +185,8 @@ class SimEngine:
             "kv_remote_prefill": 0,
             "notifs_sent": 0,
             "transfer_failures": 0,
+            "aborted": 0,
+            "hanging": 0,
         }
         self.running_reqs = 0
         self.release = asyncio.Event()
@@ -213,6 +225,8 @@ class SimEngine:
         return web.json_response(data)
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        if self.state["fault"] == "tokenize_error":
+            return _err(500, "simulated tokenizer failure", "InternalServerError")
         try:
             body = orjson.loads(await request.read())
             if not isinstance(body, dict):
@@ -286,6 +300,10 @@ class SimEngine:
             f"pd_sim_notifications_sent_total {m['notifs_sent']}",
             "# TYPE pd_sim_transfer_failures_total counter",
             f"pd_sim_transfer_failures_total {m['transfer_failures']}",
+            "# TYPE pd_sim_aborted_total counter",
+            f"pd_sim_aborted_total {m['aborted']}",
+            "# TYPE pd_sim_requests_hanging gauge",
+            f"pd_sim_requests_hanging {m['hanging']}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -294,6 +312,13 @@ class SimEngine:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            return await self._generate_one(request, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.m["aborted"] += 1  # the client went away: vLLM aborts the request
+            raise
 
     # ------------------------------------------------------------------ generation
     def _parse(self, body: Any, chat: bool) -> tuple[list[int], int, bool, bool]:
@@ -346,7 +371,7 @@ class SimEngine:
             raise BadRequest("ignore_eos must be a boolean")
         return prompt, mt, stream, ignore_eos
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate_one(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         fault = self._fault()
         if fault in ("error", "hang", "bad_request"):
@@ -355,7 +380,11 @@ class SimEngine:
                 return _err(503, "simulated engine failure", "ServiceUnavailableError")
             if fault == "bad_request":
                 return _err(400, "simulated bad request")
-            await asyncio.Event().wait()  # hang until the client goes away
+            self.m["hanging"] += 1
+            try:
+                await asyncio.Event().wait()  # hang until the client goes away
+            finally:
+                self.m["hanging"] -= 1
         try:
             body = orjson.loads(raw)
             prompt, max_tokens, stream, ignore_eos = self._parse(body, chat)
@@ -706,11 +735,7 @@ async def serve(cfg: SimConfig, port_file: str | None = None) -> None:
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048, reuse_address=True)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    if port_file:
-        tmp = port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, port_file)
+    write_port_file(port_file, port)
     print(f"pd-sim-engine listening on {cfg.host}:{port} model={cfg.model}", flush=True)
     try:
         await asyncio.Event().wait()
