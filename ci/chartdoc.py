@@ -74,6 +74,8 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("kvTransfer.lmcache.bufferDevice", {"enum": ["cuda", "cpu"]}),
     ("kvTransfer.lmcache.{chunkSize,notifyTimeoutSeconds}", {"minimum": 1}),
     ("kvTransfer.nixl.loadFailurePolicy", {"enum": ["fail", "recompute"]}),
+    ("kvTransfer.lmcache.notificationReceiver", {"enum": ["router", "prefillSidecar"]}),
+    ("kvTransfer.lmcache.sidecar.resources", ref("core.v1.ResourceRequirements")),
     ("efa.devices", {"minimum": 1}),
     ("efa.hugepages2Mi", QUANTITY),
     ("modelCache.type", {"enum": ["pvc", "hostPath", "emptyDir"]}),

@@ -44,7 +44,7 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     "partial_kv_shape": ("model:\n  kvShape: {layers: 80}\n", ("model.kvShape.kvHeads",)),
     "two_routers_with_lmcache": (
         "kvTransfer:\n  connector: lmcache\nrouter:\n  replicas: 2\n",
-        ("router.replicas", "nixl"),
+        ("router.replicas", "prefillSidecar"),
     ),
     "router_hpa_with_lmcache": ("router:\n  autoscaling:\n    enabled: true\n", ("router.autoscaling.enabled",)),
     "unequal_tp_with_lmcache": (
@@ -78,6 +78,14 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "threshold_not_below_max_len": ("router:\n  threshold: 5000\nmodel:\n  maxModelLen: 4096\n", ("router.threshold",)),
     "protect_metrics_without_keys": ("router:\n  auth:\n    protectMetrics: true\n", ("router.auth.protectMetrics",)),
+    "bad_notification_receiver": (
+        "kvTransfer:\n  lmcache:\n    notificationReceiver: decoder\n",
+        ("/kvTransfer/lmcache/notificationReceiver",),
+    ),
+    "sidecar_port_collides_with_engine": (
+        "kvTransfer:\n  lmcache:\n    notificationReceiver: prefillSidecar\nports:\n  notificationSidecar: 8000\n",
+        ("ports.notificationSidecar", "ports.engineHttp"),
+    ),
     "bad_kv_load_failure_policy": (
         "kvTransfer:\n  connector: nixl\n  nixl:\n    loadFailurePolicy: ignore\n",
         ("/kvTransfer/nixl/loadFailurePolicy",),

@@ -168,3 +168,10 @@ def test_kv_buffer_check_is_per_tensor_parallel_rank(h4: Path) -> None:
     assert helm.template(h4, sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544320",)).returncode == 0
     short = helm.template(h4, sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544319",))
     assert short.returncode != 0 and "tensorParallelSize 8" in short.stderr
+
+
+def test_sidecar_receiver_points_the_sender_at_localhost(h4: Path) -> None:
+    docs = helm.render(h4, sets=("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
+    sender = lmcache_config(docs, "prefill")
+    assert sender["pd_proxy_host"] == "127.0.0.1" and sender["pd_proxy_port"] == 7500
+    assert lmcache_config(docs, "decode")["pd_role"] == "receiver"

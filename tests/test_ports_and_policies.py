@@ -157,3 +157,33 @@ def test_ephemeral_kv_ports_only_from_the_other_role(h4: Path) -> None:
 
 def test_network_policies_can_be_turned_off(h4: Path) -> None:
     assert not helm.find(helm.render(h4, sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+def test_notification_sidecar_ports_agree_everywhere(h4: Path) -> None:
+    docs = helm.render(
+        h4,
+        sets=(
+            *CUSTOM_PORTS,
+            "ports.notificationSidecar=9700",
+            "kvTransfer.lmcache.notificationReceiver=prefillSidecar",
+            "networkPolicy.allowEphemeralKvPorts=false",
+        ),
+    )
+    rc = router_config(docs)
+    assert rc["lmcache"]["notificationReceiver"] == "prefillSidecar" and rc["lmcache"]["sidecarPort"] == 9700
+    # The router no longer receives notifications: no port, no policy rule for them.
+    assert container_ports(docs, "Deployment", "-router") == {"http": 8200}
+    assert service_ports(docs, "-router") == {"http": 8000}
+    assert policy_ports(docs, "-router") == {8200}
+    prefill = helm.one(docs, "StatefulSet", "-prefill")["spec"]["template"]["spec"]
+    sidecar = next(c for c in prefill["containers"] if c["name"] == "notify-sidecar")
+    assert sidecar["ports"] == [{"name": "notify-sidecar", "containerPort": 9700, "protocol": "TCP"}]
+    assert "--port=9700" in sidecar["args"] and "--zmq-bind=tcp://127.0.0.1:9500" in sidecar["args"]
+    assert lmcache_config(docs, "prefill")["pd_proxy_port"] == 9500
+    assert service_ports(docs, "-prefill") == {"http": 8100, "notify-sidecar": 9700}
+    assert policy_ports(docs, "-prefill") == {8100, 9700}
+    pods = _pod_labels(docs)
+    assert _allowed_from(helm.one(docs, "NetworkPolicy", "-prefill"), 9700, pods) == {"router"}
+    # Decoders never run it.
+    decode = helm.one(docs, "StatefulSet", "-decode")["spec"]["template"]["spec"]
+    assert [c["name"] for c in decode["containers"]] == ["vllm"]

@@ -52,11 +52,12 @@ def test_privileged_is_a_separate_opt_in(h4: Path) -> None:
         assert container(docs, role)["securityContext"]["privileged"] is True
 
 
+@pytest.mark.parametrize("receiver", ["router", "prefillSidecar"])
 @pytest.mark.parametrize(
     "kind,suffix", [("StatefulSet", "-prefill"), ("StatefulSet", "-decode"), ("Deployment", "-router")]
 )
-def test_pods_are_non_root_and_locked_down(h4: Path, kind: str, suffix: str) -> None:
-    spec = pod_spec(helm.render(h4), kind, suffix)
+def test_pods_are_non_root_and_locked_down(h4: Path, kind: str, suffix: str, receiver: str) -> None:
+    spec = pod_spec(helm.render(h4, sets=(f"kvTransfer.lmcache.notificationReceiver={receiver}",)), kind, suffix)
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["automountServiceAccountToken"] is False
     for c in spec["containers"]:
@@ -238,8 +239,18 @@ def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
 def test_lmcache_router_is_single_and_recreated(h4: Path) -> None:
     deploy = helm.one(helm.render(h4, sets=("kvTransfer.connector=lmcache",)), "Deployment", "-router")
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
-    deploy = helm.one(helm.render(h4, sets=("kvTransfer.connector=nixl", "router.replicas=3")), "Deployment", "-router")
-    assert deploy["spec"]["replicas"] == 3 and "strategy" not in deploy["spec"]
+    for scaled in (("kvTransfer.connector=nixl",), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",)):
+        deploy = helm.one(helm.render(h4, sets=(*scaled, "router.replicas=3")), "Deployment", "-router")
+        assert deploy["spec"]["replicas"] == 3 and "strategy" not in deploy["spec"]
+
+
+def test_router_autoscaling_with_the_notification_sidecar(h4: Path) -> None:
+    sets = ("kvTransfer.lmcache.notificationReceiver=prefillSidecar", "router.autoscaling.enabled=true")
+    docs = helm.render(h4, sets=sets)
+    hpa = helm.one(docs, "HorizontalPodAutoscaler", "-router")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+    assert "replicas" not in helm.one(docs, "Deployment", "-router")["spec"]
+    assert helm.one(docs, "PodDisruptionBudget", "-router")  # minReplicas 2
 
 
 @pytest.mark.parametrize(

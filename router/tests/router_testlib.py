@@ -162,9 +162,11 @@ class LMCacheStack:
     """One prefill (LMCache sender, 2 TP ranks) and two decoders (receivers on 127.0.0.2/3
     sharing the same receiver port numbers, as StatefulSet pods do), plus routers."""
 
-    def __init__(self, stack: Stack) -> None:
+    def __init__(self, stack: Stack, pd_proxy_port: int | None = None) -> None:
+        """``pd_proxy_port``: where the prefiller PUSHes its notifications (default: a free
+        port the routers bind, ``notificationReceiver: router``)."""
         self.stack = stack
-        self.notify_port = free_port()
+        self.notify_port = pd_proxy_port or free_port()
         self.init_ports = [free_port(), free_port()]
         self.alloc_ports = [free_port(), free_port()]
         ip = ",".join(map(str, self.init_ports))

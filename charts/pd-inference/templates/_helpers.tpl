@@ -118,3 +118,13 @@ UCX
 {{- .replicas -}}
 {{- end -}}
 {{- end -}}
+
+{{/* "true" when the router itself receives LMCache notifications (and so must be a single replica). */}}
+{{- define "pd-inference.routerReceivesNotifications" -}}
+{{- if and (eq .Values.kvTransfer.connector "lmcache") (eq .Values.kvTransfer.lmcache.notificationReceiver "router") -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when every prefill pod runs the LMCache notification sidecar. */}}
+{{- define "pd-inference.notificationSidecar" -}}
+{{- if and (eq .Values.kvTransfer.connector "lmcache") (eq .Values.kvTransfer.lmcache.notificationReceiver "prefillSidecar") -}}true{{- end -}}
+{{- end -}}

@@ -7,11 +7,12 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
 
 {{- /* One notification host in LMCache mode: several routers would miss each other's notifications. */ -}}
-{{- if and $lmcache (gt (int $v.router.replicas) 1) -}}
-{{- fail (printf "router.replicas: %d router replicas need kvTransfer.connector=nixl; with lmcache the prefillers notify a single router (pd_proxy_host), so keep router.replicas at 1" (int $v.router.replicas)) -}}
+{{- $single := eq (include "pd-inference.routerReceivesNotifications" .) "true" -}}
+{{- if and $single (gt (int $v.router.replicas) 1) -}}
+{{- fail (printf "router.replicas: %d router replicas need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router (pd_proxy_host)" (int $v.router.replicas)) -}}
 {{- end -}}
-{{- if and $lmcache $v.router.autoscaling.enabled -}}
-{{- fail "router.autoscaling.enabled: router autoscaling needs kvTransfer.connector=nixl; with lmcache the prefillers notify a single router" -}}
+{{- if and $single $v.router.autoscaling.enabled -}}
+{{- fail "router.autoscaling.enabled: router autoscaling needs kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router" -}}
 {{- end -}}
 {{- if and $lmcache (ne (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
 {{- fail (printf "decode.tensorParallelSize: LMCache PD sends one KV shard and one notification per TP rank, so prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d) must be equal" (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
@@ -62,6 +63,13 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- fail (printf "ports.%s: port %s (TP rank %d) is already used by %s" $name $p $rank (get $ports $p)) -}}
 {{- end -}}
 {{- $_ := set $ports $p (printf "ports.%s" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq (include "pd-inference.notificationSidecar" .) "true" -}}
+{{- range $name := list "engineHttp" "proxyNotification" -}}
+{{- if eq (int (get $v.ports $name)) (int $v.ports.notificationSidecar) -}}
+{{- fail (printf "ports.notificationSidecar: port %d is already ports.%s in the prefill pod" (int $v.ports.notificationSidecar) $name) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- if and (eq (int $v.ports.proxyNotification) (int $v.ports.routerHttp)) -}}

@@ -171,6 +171,9 @@ class Router:
         self.keys = ApiKeys(cfg.auth.api_keys_file)
         self.counter = TokenCounter(cfg.model.tokenizer, cfg.model.served_name)
         self.lmcache = cfg.routing.connector == "lmcache"
+        # notificationReceiver router: this process binds the ZMQ PULL socket (one replica);
+        # prefillSidecar: the prefill pod's sidecar is asked (no socket, replicas scale)
+        self.sidecar = cfg.lmcache.notification_receiver == "prefillSidecar"
         self.listener: handoff_lmcache.NotifyListener | None = None
         self.session: aiohttp.ClientSession | None = None  # health checks, /tokenize
         self.up = UpstreamClient(cfg.timeouts.connect_seconds)  # hot path
@@ -200,7 +203,7 @@ class Router:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self.lmcache:  # first: a port already taken stops start-up before anything else
+        if self.lmcache and not self.sidecar:  # first: a port already taken stops start-up
             lm = self.cfg.lmcache
             self.listener = handoff_lmcache.NotifyListener(
                 lm.notify_bind_host, lm.notify_port, lm.notifications_per_request, self.metrics
@@ -753,7 +756,9 @@ class Router:
         body: dict[str, Any],
         ids: list[int] | None,
     ) -> web.StreamResponse:
-        assert self.listener is not None and self.session is not None
+        assert self.session is not None
+        listener = self.listener
+        assert listener is not None or self.sidecar
         m = self.metrics
         chat = ctx.chat
         if chat and not handoff_lmcache.chat_supported(body):
@@ -777,7 +782,7 @@ class Router:
         ctx.route = DISAGG
         lm = self.cfg.lmcache
         req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
-        fut = self.listener.expect(req_id)
+        fut = listener.expect(req_id) if listener is not None else None
         t0 = time.perf_counter()
         pbody = handoff_lmcache.prefill_body(
             body, ids, req_id, dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
@@ -785,10 +790,12 @@ class Router:
         try:
             status, presp, praw = await self._prefill(ctx, pre, "/v1/completions", pbody, len(ids))
         except _UPSTREAM_ERRORS as exc:
-            self.listener.cancel(req_id)
+            if listener is not None:
+                listener.cancel(req_id)
             return await self._fallback(request, ctx, raw, body, self._prefill_failed(pre, exc, 0))
         except BaseException:
-            self.listener.cancel(req_id)
+            if listener is not None:
+                listener.cancel(req_id)
             raise
         first_tok = None
         first_text = ""
@@ -802,10 +809,12 @@ class Router:
             except (KeyError, TypeError, IndexError):
                 first_tok = None
         if 400 <= status < 500:
-            self.listener.cancel(req_id)
+            if listener is not None:
+                listener.cancel(req_id)
             return self._passthrough(ctx, status, praw)
         if status != 200 or type(first_tok) is not int:
-            self.listener.cancel(req_id)
+            if listener is not None:
+                listener.cancel(req_id)
             return await self._fallback(
                 request, ctx, raw, body, self._prefill_failed(pre, None, status or 502)
             )
@@ -830,11 +839,26 @@ class Router:
             self._route_hist[DISAGG][0].observe(time.perf_counter() - ctx.t0)
             ctx.ttft_done = True
         if done_after_first:
-            self.listener.cancel(req_id)
+            if listener is not None:
+                listener.cancel(req_id)
             return await self._lmcache_first_only(
                 ctx, out, chat, sid, created, first_text, finish, len(ids), body
             )
-        ok = await self.listener.wait(req_id, fut, lm.notify_timeout_seconds)
+        if listener is not None:
+            assert fut is not None
+            ok = await listener.wait(req_id, fut, lm.notify_timeout_seconds)
+        else:
+            outcome = await handoff_lmcache.sidecar_wait(
+                self.session,
+                pre.host,
+                lm.sidecar_port,
+                req_id,
+                lm.notifications_per_request,
+                lm.notify_timeout_seconds,
+                self.cfg.timeouts.connect_seconds,
+            )
+            m.sidecar_waits.labels(outcome).inc()
+            ok = outcome == "ok"
         self._hw["lmcache"].observe(time.perf_counter() - t0)
         exclude: list[Endpoint] = []
         if not ok:

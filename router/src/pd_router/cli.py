@@ -1,4 +1,4 @@
-"""``pd-router`` command line: ``serve`` and ``check-config``."""
+"""``pd-router`` command line: ``serve``, ``check-config`` and ``notify-sidecar``."""
 
 from __future__ import annotations
 
@@ -35,12 +35,13 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
     import logging
 
     logging.getLogger("pd_router").warning(
-        "pd-router %s listening on %s:%d (connector=%s threshold=%d)",
+        "pd-router %s listening on %s:%d (connector=%s threshold=%d notifications=%s)",
         __version__,
         cfg.listen.host,
         port,
         cfg.routing.connector,
         cfg.routing.threshold,
+        cfg.lmcache.notification_receiver if cfg.routing.connector == "lmcache" else "-",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,6 +54,38 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
         await runner.cleanup()
 
 
+def _fast_loop() -> None:
+    if os.environ.get("PD_ROUTER_EVENT_LOOP", "uvloop") == "uvloop":  # "asyncio": measurements
+        import uvloop
+
+        uvloop.install()
+
+
+def _sidecar_main(a: argparse.Namespace) -> int:
+    from pd_router import logs
+    from pd_router.notify_sidecar import SidecarOptions, run_sidecar
+
+    errors = []
+    if not 0 <= a.port <= 65535:
+        errors.append(f"--port: must be between 0 and 65535, got {a.port}")
+    if not (a.ttl_seconds > 0 and a.ttl_seconds < float("inf")):
+        errors.append(f"--ttl-seconds: must be > 0, got {a.ttl_seconds}")
+    if a.max_pending < 1:
+        errors.append(f"--max-pending: must be >= 1, got {a.max_pending}")
+    if errors:
+        print("pd-router notify-sidecar: " + "; ".join(errors), file=sys.stderr)
+        return 2
+    logs.setup(a.log_level)
+    _fast_loop()
+    opts = SidecarOptions(a.host, a.port, a.zmq_bind, a.ttl_seconds, a.max_pending)
+    try:
+        asyncio.run(run_sidecar(opts, a.port_file))
+    except OSError as exc:
+        print(f"pd-router notify-sidecar: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pd-router", description="Prefill/decode router for vLLM")
     p.add_argument("--version", action="version", version=__version__)
@@ -62,7 +95,26 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port-file", help="write the bound port here once listening (tests)")
     c = sub.add_parser("check-config", help="validate a config file and print the result")
     c.add_argument("--config", required=True)
+    n = sub.add_parser(
+        "notify-sidecar",
+        help="receive LMCache notifications next to a prefiller (lmcache.notificationReceiver: "
+        "prefillSidecar)",
+    )
+    n.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
+    n.add_argument("--port", type=int, default=7600, help="HTTP port (= lmcache.sidecarPort)")
+    n.add_argument(
+        "--zmq-bind",
+        default="tcp://127.0.0.1:7500",
+        help="ZMQ PULL endpoint the prefiller's LMCache PUSHes ProxyNotif to "
+        "(pd_proxy_host 127.0.0.1, pd_proxy_port = this port)",
+    )
+    n.add_argument("--ttl-seconds", type=float, default=120.0, help="keep unclaimed ids this long")
+    n.add_argument("--max-pending", type=int, default=100000, help="most ids held at once")
+    n.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    n.add_argument("--port-file", help="write the bound port here once listening (tests)")
     a = p.parse_args(argv)
+    if a.cmd == "notify-sidecar":
+        return _sidecar_main(a)
     try:
         cfg = _load(a.config)
     except ConfigError as exc:
@@ -76,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from pd_router import logs
 
     logs.setup(cfg.logging.level)
-    if os.environ.get("PD_ROUTER_EVENT_LOOP", "uvloop") == "uvloop":  # "asyncio": measurements
-        import uvloop
-
-        uvloop.install()
+    _fast_loop()
     # Fewer young-generation collections: requests allocate many short-lived objects and
     # keep almost none (measured: ~7 % less CPU per request; README "HTTP stack").
     gc.freeze()

@@ -21,6 +21,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 ENV_PREFIX = "PD_ROUTER__"
+# bounds of the notification sidecar's wait endpoint (pd_router.notify_sidecar)
+SIDECAR_MAX_COUNT = 64
+SIDECAR_MAX_TIMEOUT = 600.0
 
 
 class ConfigError(ValueError):
@@ -82,6 +85,11 @@ class LMCache:
     decoder_init_ports: list[int] = field(default_factory=lambda: [7300])
     decoder_alloc_ports: list[int] = field(default_factory=lambda: [7400])
     notify_timeout_seconds: float = 30.0
+    # router: this process binds notifyBindHost:notifyPort (one router replica);
+    # prefillSidecar: a `pd-router notify-sidecar` next to every prefiller receives them and the
+    # router asks the one of the prefill pod it used (router replicas scale).
+    notification_receiver: Literal["router", "prefillSidecar"] = "router"
+    sidecar_port: int = 7600
 
 
 @dataclass(frozen=True)
@@ -292,6 +300,19 @@ def _validate(cfg: RouterConfig) -> None:
     for i, p in enumerate(lm.decoder_alloc_ports):
         _check_port(p, f"lmcache.decoderAllocPorts[{i}]")
     _positive(lm.notify_timeout_seconds, "lmcache.notifyTimeoutSeconds")
+    _check_port(lm.sidecar_port, "lmcache.sidecarPort")
+    if lm.notification_receiver == "prefillSidecar":
+        # the sidecar's own bounds (GET /v1/notifications/{req_id}?count=..&timeout=..)
+        if lm.notifications_per_request > SIDECAR_MAX_COUNT:
+            raise ConfigError(
+                f"lmcache.notificationsPerRequest: must be <= {SIDECAR_MAX_COUNT} with "
+                "notificationReceiver prefillSidecar"
+            )
+        if lm.notify_timeout_seconds > SIDECAR_MAX_TIMEOUT:
+            raise ConfigError(
+                f"lmcache.notifyTimeoutSeconds: must be <= {SIDECAR_MAX_TIMEOUT} with "
+                "notificationReceiver prefillSidecar"
+            )
     for f in dataclasses.fields(Timeouts):
         _positive(getattr(cfg.timeouts, f.name), f"timeouts.{_camel(f.name)}")
     h = cfg.health

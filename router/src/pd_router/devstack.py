@@ -105,6 +105,27 @@ def start_router(
     )
 
 
+def start_notify_sidecar(name: str, workdir: Path, zmq_port: int, *args: str) -> Proc:
+    """``pd-router notify-sidecar`` on a free HTTP port, ZMQ PULL on 127.0.0.1:zmq_port."""
+    return _spawn(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "pd_router",
+            "notify-sidecar",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--zmq-bind",
+            f"tcp://127.0.0.1:{zmq_port}",
+            *args,
+        ],
+        workdir,
+    )
+
+
 class Stack:
     """A group of processes stopped together (context manager)."""
 
@@ -123,6 +144,11 @@ class Stack:
 
     def router(self, name: str, config: Path | str, env: Mapping[str, str] | None = None) -> Proc:
         p = start_router(name, self.workdir, config, env)
+        self.procs.append(p)
+        return p
+
+    def notify_sidecar(self, name: str, zmq_port: int, *args: str) -> Proc:
+        p = start_notify_sidecar(name, self.workdir, zmq_port, *args)
         self.procs.append(p)
         return p
 

@@ -12,10 +12,14 @@ Checked against LMCache 0.5.6 (``examples/disagg_prefill/disagg_proxy_server.py`
 4. then the decoder gets ``prompt = ids + [first_tok]``, ``max_tokens - 1``, no
    ``kv_transfer_params``.
 
-Several router replicas: the notification goes to ONE host, so the chart runs exactly one
-router replica in LMCache mode (no HPA). Here, notifications for unknown or expired request
-ids are dropped and counted; a missing notification times out and the request is decoded
-anyway ("fallback", counted) on a decoder other than the one that may hold a partial KV.
+Several router replicas: the notification goes to ONE host. With
+``lmcache.notificationReceiver: router`` this process binds it (:class:`NotifyListener`), so
+only one router replica can work; with ``prefillSidecar`` a ``pd-router notify-sidecar`` in
+every prefill pod receives them and the router asks the sidecar of the prefill pod it used
+(:func:`sidecar_wait`), keeping no state another replica would need. Either way, a missing
+notification times out and the request is decoded anyway ("fallback", counted) on a decoder
+other than the one that may hold a partial KV; in router mode, notifications for unknown or
+expired request ids are dropped and counted.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import asyncio
 import contextlib
 import logging
 from typing import Any
+from urllib.parse import quote
 
+import aiohttp
+import yarl
 import zmq
 import zmq.asyncio
 
@@ -215,6 +222,43 @@ class NotifyListener:
             self._sock.close(0)
         if self._ctx is not None:
             self._ctx.term()
+
+
+SIDECAR_MARGIN_SECONDS = 2.0
+
+
+def sidecar_url(host: str, port: int, req_id: str, count: int, timeout: float) -> yarl.URL:
+    h = f"[{host}]" if ":" in host else host
+    rid = quote(req_id, safe="")
+    return yarl.URL(
+        f"http://{h}:{port}/v1/notifications/{rid}?count={count}&timeout={timeout!r}",
+        encoded=True,
+    )
+
+
+async def sidecar_wait(
+    session: aiohttp.ClientSession,
+    host: str,
+    port: int,
+    req_id: str,
+    count: int,
+    timeout: float,
+    connect_timeout: float,
+) -> str:
+    """Ask the notification sidecar of a prefill pod to wait for ``count`` notifications of
+    ``req_id``: ``"ok"`` (200), ``"timeout"`` (504) or ``"error"`` (anything else, including
+    an unreachable sidecar). Bounded by ``timeout`` plus a small margin."""
+    ct = aiohttp.ClientTimeout(total=timeout + SIDECAR_MARGIN_SECONDS, sock_connect=connect_timeout)
+    try:
+        async with session.get(sidecar_url(host, port, req_id, count, timeout), timeout=ct) as r:
+            await r.read()
+            if r.status == 200:
+                return "ok"
+            log.warning("notification sidecar %s:%d answered %d", host, port, r.status)
+            return "timeout" if r.status == 504 else "error"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        log.warning("notification sidecar %s:%d failed: %r", host, port, exc)
+        return "error"
 
 
 def completion_to_chat_chunk(chunk: dict[str, Any], rid: str) -> dict[str, Any]:

@@ -87,6 +87,12 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.sidecar_waits = Counter(
+            "pd_router_lmcache_sidecar_waits",
+            "Waits on a prefill pod's notification sidecar (ok|timeout|error)",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "pd_router_client_disconnects", "Clients that went away mid-request", registry=r
         )

@@ -46,7 +46,8 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
 -}}
 {{- if eq .role "prefill" -}}
 {{- $_ := set $cfg "pd_role" "sender" -}}
-{{- $_ := set $cfg "pd_proxy_host" (include "pd-inference.serviceFqdn" (dict "ctx" .ctx "component" "router")) -}}
+{{- /* The sidecar listens inside the prefill pod; otherwise the (single) router's Service. */ -}}
+{{- $_ := set $cfg "pd_proxy_host" (ternary "127.0.0.1" (include "pd-inference.serviceFqdn" (dict "ctx" .ctx "component" "router")) (eq (include "pd-inference.notificationSidecar" .ctx) "true")) -}}
 {{- $_ := set $cfg "pd_proxy_port" (int $v.ports.proxyNotification) -}}
 {{- else -}}
 {{- $_ := set $cfg "pd_role" "receiver" -}}

@@ -19,7 +19,9 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
     "notificationsPerRequest" (int $v.prefill.tensorParallelSize)
     "decoderInitPorts" (include "pd-inference.lmcacheInitPorts" . | fromJsonArray)
     "decoderAllocPorts" (include "pd-inference.lmcacheAllocPorts" . | fromJsonArray)
-    "notifyTimeoutSeconds" (int $v.kvTransfer.lmcache.notifyTimeoutSeconds))
+    "notifyTimeoutSeconds" (int $v.kvTransfer.lmcache.notifyTimeoutSeconds)
+    "notificationReceiver" $v.kvTransfer.lmcache.notificationReceiver
+    "sidecarPort" (int $v.ports.notificationSidecar))
   "timeouts" (dict "connectSeconds" (int $r.timeouts.connectSeconds) "prefillSeconds" (int $r.timeouts.prefillSeconds) "firstByteSeconds" (int $r.timeouts.firstByteSeconds) "streamIdleSeconds" (int $r.timeouts.streamIdleSeconds))
   "health" (dict "path" "/health" "intervalSeconds" (int $r.health.intervalSeconds) "timeoutSeconds" (int $r.health.timeoutSeconds) "healthyThreshold" (int $r.health.healthyThreshold) "unhealthyThreshold" (int $r.health.unhealthyThreshold) "passiveFailureThreshold" (int $r.health.passiveFailureThreshold))
   "limits" (dict "maxInFlight" (int $r.limits.maxInFlight) "maxQueued" (int $r.limits.maxQueued) "queueTimeoutSeconds" (int $r.limits.queueTimeoutSeconds) "maxBodyBytes" (int64 $r.limits.maxBodyBytes))
