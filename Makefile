@@ -46,10 +46,10 @@ snapshot: tools ## Refresh the committed snapshot of the default render (review 
 docs: tools ## Regenerate values.schema.json descriptions and the chart README values table
 	$(PY) ci/chartdoc.py --write
 
-demo: tools ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
+demo: $(VENV)/.installed ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
 	$(PY) -m pd_router.demo $(ARGS)
 
-bench: tools ## Router vs vllm-router vs direct, on zero-delay simulated engines
+bench: $(VENV)/.installed ## Router vs vllm-router vs direct, on zero-delay simulated engines
 	$(PY) -m pd_router.bench $(ARGS)
 
 fmt: tools ## Format Python code
