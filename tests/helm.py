@@ -76,7 +76,9 @@ def _values_file(text: str) -> Path:
     import hashlib
     import tempfile
 
-    path = Path(tempfile.gettempdir()) / f"pd-values-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    # Per process: pytest-xdist workers render the same values at the same time.
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"pd-values-{os.getpid()}-{digest}.yaml"
     path.write_text(text)
     return path
 
