@@ -273,3 +273,10 @@ def test_helm_test_pod_sends_a_short_and_a_long_request(h4: Path) -> None:
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["THRESHOLD"] == "300"
     assert env["ROUTER_URL"] == f"http://pd-pd-inference-router.{helm.NAMESPACE}.svc.cluster.local:8000"
+
+
+def test_engine_root_filesystem_can_be_made_writable(h4: Path) -> None:
+    for role in ("prefill", "decode"):
+        assert container(helm.render(h4), role)["securityContext"]["readOnlyRootFilesystem"] is True
+        docs = helm.render(h4, sets=("engine.readOnlyRootFilesystem=false",))
+        assert container(docs, role)["securityContext"]["readOnlyRootFilesystem"] is False
