@@ -25,18 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "pd-inference"
 sys.path.insert(0, str(ROOT))
 from ci import envs  # noqa: E402
-
-
-def merge(base: Any, override: Any) -> Any:
-    if isinstance(base, dict) and isinstance(override, dict):
-        out = dict(base)
-        for key, value in override.items():
-            if value is None:
-                out.pop(key, None)
-            else:
-                out[key] = merge(base.get(key), value)
-        return out
-    return override
+from ci.gitops import strategic_merge as merge  # noqa: E402  (Helm's layering: later wins, null deletes)
 
 
 def _pointer(path: Any) -> str:

@@ -35,7 +35,7 @@ import yarl
 import zmq
 import zmq.asyncio
 
-from pd_router.lmcache_wire import decode_notif
+from pd_router.lmcache_wire import receive_notifications
 from pd_router.metrics import Metrics
 
 log = logging.getLogger("pd_router.lmcache")
@@ -173,24 +173,22 @@ class NotifyListener:
         assert self._sock is not None
         unknown = self.metrics.notifications.labels("unknown")
         matched = self.metrics.notifications.labels("matched")
-        malformed = self.metrics.notifications.labels("malformed")
-        while True:
-            data = await self._sock.recv()
-            try:
-                req_id = decode_notif(data)
-            except ValueError:
-                malformed.inc()
-                continue
+
+        def on_req_id(req_id: str) -> None:
             w = self.waiters.get(req_id)
             if w is None or w.future.done():
                 unknown.inc()  # expired (timed out), unknown, or a duplicate: drop
                 log.debug("dropped notification for unknown req_id %r", req_id)
-                continue
+                return
             matched.inc()
             w.remaining -= 1
             if w.remaining <= 0:
                 del self.waiters[req_id]
                 w.future.set_result(None)
+
+        await receive_notifications(
+            self._sock, on_req_id, self.metrics.notifications.labels("malformed")
+        )
 
     def expect(self, req_id: str) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

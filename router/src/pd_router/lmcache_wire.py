@@ -9,6 +9,9 @@ produce/accept the same bytes; nothing is imported from LMCache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import msgspec
 
 
@@ -34,3 +37,23 @@ def decode_notif(data: bytes) -> str:
         return _decoder.decode(data).req_id
     except Exception as exc:  # msgspec raises DecodeError, ValidationError, UnicodeDecodeError
         raise ValueError(f"not a ProxyNotif: {exc}") from exc
+
+
+class _Counter(Protocol):
+    def inc(self) -> None: ...
+
+
+async def receive_notifications(
+    sock: Any, on_req_id: Callable[[str], None], malformed: _Counter
+) -> None:
+    """Forever: read ProxyNotif messages from a ZMQ PULL socket (zmq.asyncio) and hand on each
+    request id; undecodable messages are counted and dropped. Shared by the router's receiver and
+    the prefill-side notification sidecar."""
+    while True:
+        data = await sock.recv()
+        try:
+            req_id = decode_notif(data)
+        except ValueError:
+            malformed.inc()
+            continue
+        on_req_id(req_id)

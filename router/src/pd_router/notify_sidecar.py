@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pd_router.config import SIDECAR_MAX_COUNT, SIDECAR_MAX_TIMEOUT
 from pd_router.devstack import write_port_file
-from pd_router.lmcache_wire import decode_notif
+from pd_router.lmcache_wire import receive_notifications
 
 log = logging.getLogger("pd_router.notify_sidecar")
 
@@ -221,15 +221,9 @@ class NotifySidecar:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        malformed = self.metrics.notifications.labels("malformed")
-        while True:
-            data = await self._sock.recv()
-            try:
-                req_id = decode_notif(data)
-            except ValueError:
-                malformed.inc()
-                continue
-            self.store.notify(req_id)
+        await receive_notifications(
+            self._sock, self.store.notify, self.metrics.notifications.labels("malformed")
+        )
 
     async def _expire_loop(self) -> None:
         period = min(max(self.opts.ttl_seconds / 4, 0.05), 5.0)
