@@ -16,10 +16,18 @@ from urllib.parse import urlsplit
 
 import openai
 import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pd_router.devstack import DEMO_CONFIG, Proc, Stack, free_port
 
 MODEL = "llama-3.3-70b"
+
+# Tokenizer tests: the simulated engine counts one token per word; the tokenizer trained by
+# train_tokenizer, one per letter, so the two disagree about which side of the threshold a
+# prompt is on.
+TOKENIZER_THRESHOLD = 256
+TOKENIZER_WORD = "qwertyuiop"
+TOKENIZER_ALLOWANCE = 4  # template allowance for /v1/completions (tokens.template_allowance)
 
 
 def base_config() -> dict[str, Any]:
@@ -224,3 +232,14 @@ class LMCacheStack:
             over or {},
         )
         return self.stack.router(name, write_config(self.stack.workdir, name, cfg))
+
+
+def train_tokenizer(folder: Path) -> Tokenizer:
+    """A tiny real BPE tokenizer trained here, saved as ``folder/tokenizer.json``."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=len(TOKENIZER_WORD) + 1, special_tokens=["[UNK]"])
+    tok.train_from_iterator([" ".join([TOKENIZER_WORD] * 50)] * 10, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok

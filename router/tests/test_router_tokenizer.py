@@ -9,27 +9,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pd_router.config import ConfigError
 from pd_router.devstack import Proc, Stack
 from pd_router.tokens import TokenCounter
-from router_testlib import metric_value, post_json, run_cli, set_fault, write_config
-
-THRESHOLD = 256
-WORD = "qwertyuiop"  # the simulated engine counts one token per word; ours, one per letter
-ALLOWANCE = 4  # template allowance for /v1/completions (tokens.template_allowance)
-
-
-def train_tokenizer(folder: Path) -> Tokenizer:
-    """A tiny real BPE tokenizer trained here, saved as ``folder/tokenizer.json``."""
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=len(WORD) + 1, special_tokens=["[UNK]"])
-    tok.train_from_iterator([" ".join([WORD] * 50)] * 10, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return tok
+from router_testlib import (
+    TOKENIZER_ALLOWANCE as ALLOWANCE,
+)
+from router_testlib import (
+    TOKENIZER_THRESHOLD as THRESHOLD,
+)
+from router_testlib import (
+    TOKENIZER_WORD as WORD,
+)
+from router_testlib import (
+    metric_value,
+    post_json,
+    run_cli,
+    set_fault,
+    train_tokenizer,
+    write_config,
+)
 
 
 class Env:

@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pd_router import balancing, handoff_lmcache, handoff_nixl
+from pd_router import balancing, handoff_lmcache, handoff_nixl, hub_tokenizer
 from pd_router.auth import ApiKeys
 from pd_router.config import RouterConfig
 from pd_router.discovery import Endpoint, EndpointPool
@@ -29,6 +29,7 @@ from pd_router.tokens import (
     prompt_text,
     template_allowance,
     token_ids_prompt,
+    tokenizer_from_json,
 )
 from pd_router.upstream import Response, UpstreamClient
 
@@ -202,7 +203,24 @@ class Router:
             )
 
     # ------------------------------------------------------------------ lifecycle
+    async def _load_hub_tokenizer(self) -> None:
+        hub = self.cfg.model.tokenizer_hub
+        url = hub_tokenizer.tokenizer_url(hub)
+        try:
+            text = await hub_tokenizer.fetch_tokenizer_json(hub)
+        except hub_tokenizer.HubUnavailable as exc:
+            # a hub outage must not keep the router down: the engines' /tokenize is exact too
+            log.error("tokenizer: %s; counting prompt tokens with the engines' /tokenize", exc)
+            return
+        self.counter.use(tokenizer_from_json(text, url), "hub")
+        log.warning("tokenizer: loaded %s@%s from the hub", hub.repo, hub.revision)
+
     async def start(self) -> None:
+        m = self.metrics
+        if self.cfg.model.tokenizer_hub.repo:  # before the port opens: bad config stops here
+            await self._load_hub_tokenizer()
+        for src in ("file", "hub"):
+            m.tokenizer_loaded.labels(src).set(1 if self.counter.source == src else 0)
         if self.lmcache and not self.sidecar:  # first: a port already taken stops start-up
             lm = self.cfg.lmcache
             self.listener = handoff_lmcache.NotifyListener(

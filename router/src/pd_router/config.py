@@ -37,9 +37,23 @@ class Listen:
 
 
 @dataclass(frozen=True)
+class TokenizerHub:
+    """Fetch ``tokenizer.json`` of ``repo`` at ``revision`` from a Hugging Face-compatible hub
+    once at start-up (pd_router.hub_tokenizer). Empty ``repo`` = off."""
+
+    repo: str = ""
+    revision: str = "main"
+    endpoint: str = "https://huggingface.co"
+    token_file: str = ""
+    # all attempts together; the chart's router startupProbe allows 60 s before /health answers
+    timeout_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
 class Model:
     served_name: str = "llama-3.3-70b"
     tokenizer: str = ""
+    tokenizer_hub: TokenizerHub = field(default_factory=TokenizerHub)
 
 
 @dataclass(frozen=True)
@@ -251,6 +265,8 @@ def _set_path(data: dict[str, Any], cls: type, parts: list[str], raw: str, env_k
 
 
 _URL_RE = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+_HUB_ENDPOINT_RE = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")  # a mirror may have a path
+_HUB_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def _check_port(value: int, path: str, allow_zero: bool = False) -> None:
@@ -264,10 +280,33 @@ def _positive(value: float, path: str) -> None:
         raise ConfigError(f"{path}: must be > 0, got {value}")
 
 
+def _validate_tokenizer_hub(model: Model) -> None:
+    hub = model.tokenizer_hub
+    base = "model.tokenizerHub"
+    if not hub.repo:
+        return
+    if model.tokenizer:
+        raise ConfigError(
+            f"{base}.repo: set either model.tokenizer (a local file) or {base}.repo, not both"
+        )
+    if not _HUB_REPO_RE.match(hub.repo) or ".." in hub.repo:
+        raise ConfigError(f"{base}.repo: expected a model id such as 'org/name', got {hub.repo!r}")
+    if not hub.revision or any(c.isspace() for c in hub.revision):
+        raise ConfigError(
+            f"{base}.revision: expected a branch, tag or commit, got {hub.revision!r}"
+        )
+    if not _HUB_ENDPOINT_RE.match(hub.endpoint):
+        raise ConfigError(
+            f"{base}.endpoint: expected http(s)://host[:port][/path], got {hub.endpoint!r}"
+        )
+    _positive(hub.timeout_seconds, f"{base}.timeoutSeconds")
+
+
 def _validate(cfg: RouterConfig) -> None:
     _check_port(cfg.listen.port, "listen.port", allow_zero=True)
     if not cfg.model.served_name:
         raise ConfigError("model.servedName: must not be empty")
+    _validate_tokenizer_hub(cfg.model)
     if cfg.routing.threshold < 0:
         raise ConfigError(f"routing.threshold: must be >= 0, got {cfg.routing.threshold}")
     hdr = cfg.routing.session_affinity_header

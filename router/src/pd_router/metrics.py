@@ -48,6 +48,12 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.tokenizer_loaded = Gauge(
+            "pd_router_tokenizer_loaded",
+            "1 when the router counts with a local tokenizer from this source (file|hub)",
+            ["source"],
+            registry=r,
+        )
         self.handoff_wait = Histogram(
             "pd_router_handoff_wait_seconds",
             "Prefill leg plus KV hand-off wait",

@@ -6,7 +6,9 @@ Order (cheapest exact-enough first):
 3. A proven upper bound below the threshold: a BPE token covers at least one UTF-8 byte, so
    ``bytes(text) + template allowance`` bounds the count; below the threshold means direct
    without tokenizing at all (most short chat turns never pay for tokenization).
-4. Local ``tokenizers`` file (``model.tokenizer``), plus the chat-template allowance.
+4. Local ``tokenizers`` tokenizer, plus the chat-template allowance: a file
+   (``model.tokenizer``) or fetched once at start-up from a hub (``model.tokenizerHub``,
+   pd_router.hub_tokenizer).
 5. The engine's ``POST /tokenize`` (applies the real chat template; the ids are reused as the
    LMCache prefill prompt). Request/response checked against vLLM v0.11
    (``TokenizeChatRequest``/``TokenizeCompletionRequest`` -> ``{count, max_model_len, tokens}``).
@@ -89,10 +91,27 @@ def load_local_tokenizer(spec: str) -> Any:
         raise ConfigError(msg) from None
 
 
+def tokenizer_from_json(text: str, where: str) -> Any:
+    """Parse a fetched ``tokenizer.json`` (ConfigError naming ``model.tokenizerHub``)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception for every failure
+        msg = f"model.tokenizerHub: {where} is not a loadable tokenizer.json: {exc}"
+        raise ConfigError(msg) from None
+
+
 class TokenCounter:
     def __init__(self, tokenizer_spec: str, served_name: str) -> None:
         self.served_name = served_name
         self.local = load_local_tokenizer(tokenizer_spec) if tokenizer_spec else None
+        self.source = "file" if self.local is not None else "none"
+
+    def use(self, tokenizer: Any, source: str) -> None:
+        """Install a tokenizer obtained after construction (the hub fetch at start-up)."""
+        self.local = tokenizer
+        self.source = source
 
     def local_count(self, text: str, allowance: int) -> int:
         assert self.local is not None
