@@ -64,6 +64,8 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("model.maxModelLen", {"minimum": 1}),
     ("model.kvShape.{layers,kvHeads,headDim}", {"minimum": 0}),
     ("model.kvShape.bytesPerElement", {"enum": [1, 2, 4]}),
+    ("model.revision", {"pattern": r"^\S*$"}),
+    ("model.hubEndpoint", {"pattern": r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$"}),
     ("{engineImage,router.image}.digest", DIGEST),
     ("{engineImage,router.image}.pullPolicy", PULL_POLICY),
     ("engineImage.{repository,tag}", {"minLength": 1}),

@@ -90,6 +90,16 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "kvTransfer:\n  connector: nixl\n  nixl:\n    loadFailurePolicy: ignore\n",
         ("/kvTransfer/nixl/loadFailurePolicy",),
     ),
+    "router_tokenizer_from_file_and_hub": (
+        "model:\n  routerTokenizer: /models/tokenizer.json\n  routerTokenizerFromHub: true\n",
+        ("model.routerTokenizerFromHub", "model.routerTokenizer"),
+    ),
+    "router_tokenizer_from_hub_of_a_path": (
+        "model:\n  name: /models/qwen\n  routerTokenizerFromHub: true\n",
+        ("model.routerTokenizerFromHub", "/models/qwen"),
+    ),
+    "model_revision_with_space": ("model:\n  revision: main branch\n", ("/model/revision",)),
+    "hub_endpoint_not_a_url": ("model:\n  hubEndpoint: hub.internal\n", ("/model/hubEndpoint",)),
 }
 
 

@@ -41,6 +41,38 @@ def test_rendered_config_carries_the_chosen_values(h4: Path, tmp_path: Path) -> 
     assert config.routing.session_affinity_header == "x-session-id"
 
 
+def test_tokenizer_from_the_hub_is_what_the_engines_serve(h4: Path, tmp_path: Path) -> None:
+    sets = (
+        "model.name=org/model",
+        "model.revision=0123abc",
+        "model.hubEndpoint=https://hub.internal/mirror",
+        "model.routerTokenizerFromHub=true",
+        "model.hfTokenSecret.name=hf",
+    )
+    hub = load_config(_write_router_config(h4, (), tmp_path, sets), env={}).model.tokenizer_hub
+    assert (hub.repo, hub.revision, hub.endpoint) == ("org/model", "0123abc", "https://hub.internal/mirror")
+    assert hub.token_file == "/var/run/secrets/huggingface/token"
+    docs = helm.render(h4, sets=sets)
+    router = helm.one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+    probe = router["containers"][0]["startupProbe"]
+    # the fetch happens before /health answers: it must fit in the startup probe's budget
+    assert hub.timeout_seconds < probe["periodSeconds"] * probe["failureThreshold"]
+    mounts = {m["name"]: m for m in router["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in router["volumes"]}
+    assert mounts["hf-token"]["mountPath"] + "/token" == hub.token_file
+    assert volumes["hf-token"]["secret"]["secretName"] == "hf"
+    # off by default: no fetch, no token in the router pod; defaults when only the switch is on
+    default = load_config(_write_router_config(h4, (), tmp_path), env={}).model.tokenizer_hub
+    assert default.repo == ""
+    on = ("model.routerTokenizerFromHub=true",)
+    hub = load_config(_write_router_config(h4, (), tmp_path, on), env={}).model.tokenizer_hub
+    assert (hub.revision, hub.endpoint, hub.token_file) == ("main", "https://huggingface.co", "")
+    assert "hf-token" not in {
+        v["name"]
+        for v in helm.one(helm.render(h4, sets=on), "Deployment", "-router")["spec"]["template"]["spec"]["volumes"]
+    }
+
+
 def test_loader_rejects_what_the_chart_must_never_render(h4: Path, tmp_path: Path) -> None:
     path = _write_router_config(h4, (), tmp_path)
     path.write_text(path.read_text().replace("threshold:", "treshold:"))

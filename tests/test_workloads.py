@@ -130,8 +130,19 @@ def test_engine_pod_volumes_probes_and_secrets(h4: Path) -> None:
     assert {"name": "hf-token", "mountPath": "/var/run/secrets/huggingface", "readOnly": True} in c["volumeMounts"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["path"] == "/health"
+    # no pinned revision and no mirror unless asked for
+    assert not [a for a in c["args"] if a.startswith("--revision")]
+    assert "HF_ENDPOINT" not in {e["name"] for e in c["env"]}
     # Long enough to load a 70B model from a cold cache: at least 20 minutes.
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1200
+
+
+def test_engine_model_revision_and_hub_mirror(h4: Path) -> None:
+    docs = helm.render(h4, sets=("model.revision=0123abc", "model.hubEndpoint=https://hub.internal"))
+    for role in ("prefill", "decode"):
+        c = container(docs, role)
+        assert "--revision=0123abc" in c["args"]
+        assert {"name": "HF_ENDPOINT", "value": "https://hub.internal"} in c["env"]
 
 
 @pytest.mark.parametrize("cache", ["pvc", "hostPath", "emptyDir"])

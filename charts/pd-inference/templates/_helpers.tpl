@@ -128,3 +128,27 @@ UCX
 {{- define "pd-inference.notificationSidecar" -}}
 {{- if and (eq .Values.kvTransfer.connector "lmcache") (eq .Values.kvTransfer.lmcache.notificationReceiver "prefillSidecar") -}}true{{- end -}}
 {{- end -}}
+
+{{/*
+Where a pod finds the Hugging Face token (model.hfTokenSecret): a mounted file, read through
+HF_TOKEN_PATH by the engines and through model.tokenizerHub.tokenFile by the router.
+*/}}
+{{- define "pd-inference.hfTokenDir" -}}/var/run/secrets/huggingface{{- end -}}
+{{- define "pd-inference.hfTokenFileName" -}}token{{- end -}}
+{{- define "pd-inference.hfTokenFile" -}}{{ include "pd-inference.hfTokenDir" . }}/{{ include "pd-inference.hfTokenFileName" . }}{{- end -}}
+{{- define "pd-inference.defaultHubEndpoint" -}}https://huggingface.co{{- end -}}
+
+{{/* True when the router pod needs the Hugging Face token (it fetches the tokenizer with it). */}}
+{{- define "pd-inference.routerNeedsHfToken" -}}
+{{- if and .Values.model.routerTokenizerFromHub .Values.model.hfTokenSecret.name -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The router's start-up budget: its startupProbe allows periodSeconds x failureThreshold before
+/health must answer, and the one-time tokenizer fetch (before the port opens) gets half of it.
+*/}}
+{{- define "pd-inference.routerStartupPeriodSeconds" -}}2{{- end -}}
+{{- define "pd-inference.routerStartupFailureThreshold" -}}30{{- end -}}
+{{- define "pd-inference.routerTokenizerFetchSeconds" -}}
+{{- div (mul (include "pd-inference.routerStartupPeriodSeconds" . | int) (include "pd-inference.routerStartupFailureThreshold" . | int)) 2 -}}
+{{- end -}}

@@ -41,6 +41,16 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- end -}}
 {{- end -}}
 
+{{- /* The router's tokenizer: one source, and a hub model id to fetch it by. */ -}}
+{{- if $v.model.routerTokenizerFromHub -}}
+{{- if $v.model.routerTokenizer -}}
+{{- fail "model.routerTokenizerFromHub: the router takes its tokenizer from model.routerTokenizer (a file) or from the hub, not both; empty one of them" -}}
+{{- end -}}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$" $v.model.name) -}}
+{{- fail (printf "model.routerTokenizerFromHub: model.name %q is not a hub model id (org/name), so there is no tokenizer to fetch; set model.routerTokenizer to a file instead" $v.model.name) -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* Placement: EFA does not cross availability zones. */ -}}
 {{- if and $v.efa.enabled (not $v.placement.sameZone) (not $v.placement.zone) -}}
 {{- fail "placement.sameZone: EFA traffic does not cross availability zones; keep placement.sameZone=true or pin placement.zone when efa.enabled=true" -}}

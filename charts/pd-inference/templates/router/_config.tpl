@@ -8,7 +8,12 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
 {{- $pool := dict "ctx" . -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int $v.ports.routerHttp))
-  "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer)
+  "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer "tokenizerHub" (dict
+    "repo" (ternary $v.model.name "" $v.model.routerTokenizerFromHub)
+    "revision" ($v.model.revision | default "main")
+    "endpoint" ($v.model.hubEndpoint | default (include "pd-inference.defaultHubEndpoint" .))
+    "tokenFile" (ternary (include "pd-inference.hfTokenFile" .) "" (eq (include "pd-inference.routerNeedsHfToken" .) "true"))
+    "timeoutSeconds" (include "pd-inference.routerTokenizerFetchSeconds" . | int)))
   "routing" (dict "connector" $v.kvTransfer.connector "threshold" (int $r.threshold) "sessionAffinityHeader" $r.sessionAffinityHeader)
   "pools" (dict
     "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" (int $v.ports.engineHttp) "refreshSeconds" (int $r.discoveryRefreshSeconds)))
