@@ -1,0 +1,129 @@
+"""The simulated engines against a router nobody here wrote: the Rust ``vllm-router`` (PyPI,
+pinned in ``router[test]``) in its NIXL PD mode drives one simulated prefiller and one
+simulated decoder. It shows the simulator's NIXL hand-off (``kv_transfer_params`` out of the
+prefill response, into the decode request) is the one vLLM's own router expects, so what
+``make demo``, the tests and ``make bench`` show is not a protocol only our router speaks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pd_router.devstack import Proc, Stack, free_port
+from router_testlib import MODEL, http_call, long_text, wait_until
+
+PROMPT = long_text(300)
+
+
+class PeerStack:
+    def __init__(self, stack: Stack) -> None:
+        self.prefill = stack.sim("vr-prefill", "--kv-connector", "nixl")
+        self.decode = stack.sim("vr-decode", "--kv-connector", "nixl")
+        binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+        assert Path(binary).exists(), "vllm-router is a pinned test dependency (router[test])"
+        self.port = free_port()
+        self.log = open(stack.workdir / "vllm-router.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--vllm-pd-disaggregation",
+                "--prefill",
+                self.prefill.url(),
+                "--decode",
+                self.decode.url(),
+                "--policy",
+                "round_robin",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_until(self._up, "vllm-router answers /health")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"vllm-router exited: {Path(self.log.name).read_text()[-2000:]}")
+        try:
+            return http_call(self.url + "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def peer(stack: Stack) -> Iterator[PeerStack]:
+    p = PeerStack(stack)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def _requests(engine: Proc) -> list[dict[str, Any]]:
+    out = json.loads(http_call(engine.url() + "/sim/requests?clear=1")[2])
+    return [r for r in out if r["path"].startswith("/v1/")]
+
+
+def _chat(base: str, stream: bool) -> str:
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    c = _client(base)
+    if not stream:
+        return c.chat.completions.create(**kw).choices[0].message.content or ""
+    chunks = c.chat.completions.create(stream=True, **kw)
+    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_vllm_router_drives_the_simulated_nixl_handoff(peer: PeerStack, stream: bool) -> None:
+    direct = _chat(peer.decode.url(), stream)
+    for engine in (peer.prefill, peer.decode):  # forget the direct request
+        _requests(engine)
+    remote_before = _remote_prefills(peer.decode)
+    assert _chat(peer.url, stream) == direct  # the same greedy answer through the hand-off
+    (pre,) = _requests(peer.prefill)
+    (dec,) = _requests(peer.decode)
+    assert pre["body"]["kv_transfer_params"]["do_remote_decode"] is True
+    kv = dec["body"]["kv_transfer_params"]
+    # what the prefiller returned reached the decoder, and the decoder used it
+    assert kv["do_remote_prefill"] is True and kv["remote_block_ids"]
+    assert kv["remote_engine_id"]
+    assert _remote_prefills(peer.decode) == remote_before + 1
+
+
+def _remote_prefills(engine: Proc) -> float:
+    for line in http_call(engine.url() + "/metrics")[2].decode().splitlines():
+        if line.startswith("pd_sim_kv_remote_prefill_total "):
+            return float(line.split()[1])
+    raise AssertionError("pd_sim_kv_remote_prefill_total missing")
