@@ -89,6 +89,9 @@ def test_shipped_configs_load(path: Path) -> None:
         ("timeouts: {connectSeconds: 0}", "timeouts.connectSeconds"),
         ("logging: {level: loud}", "logging.level"),
         ("health: {path: health}", "health.path"),
+        ("timeouts: {firstByteSeconds: .nan}", "timeouts.firstByteSeconds"),
+        ("timeouts: {clientBodySeconds: .inf}", "timeouts.clientBodySeconds"),
+        ("limits: {queueTimeoutSeconds: .nan}", "limits.queueTimeoutSeconds"),
     ],
 )
 def test_errors_name_the_field(tmp_path: Path, text: str, field: str) -> None:
@@ -119,6 +122,7 @@ def test_env_overrides(tmp_path: Path) -> None:
     ("env", "field"),
     [
         ({"PD_ROUTER__ROUTING__THRESHOLD": "abc"}, "routing.threshold"),
+        ({"PD_ROUTER__TIMEOUTS__PREFILLSECONDS": ".nan"}, "timeouts.prefillSeconds"),
         ({"PD_ROUTER__ROUTING__NOPE": "1"}, "routing.nope"),
         ({"PD_ROUTER__ROUTING__THRESHOLD__X": "1"}, "routing.threshold"),
     ],

@@ -87,7 +87,9 @@ header_values = st.binary(max_size=60).filter(
     lambda v: all((b >= 32 and b != 127) or b == 9 for b in v)
 )
 hostile_headers = st.dictionaries(
-    st.sampled_from(["X-Request-Id", "x-session-id", "Authorization"]), header_values, max_size=3
+    st.sampled_from(["X-Request-Id", "x-session-id", "Authorization", "Content-Encoding"]),
+    header_values,
+    max_size=3,
 )
 
 

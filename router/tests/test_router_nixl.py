@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -402,6 +403,63 @@ def test_body_too_large(nx: Nixl) -> None:
     conn.close()
 
 
+def test_a_client_stalling_mid_body_holds_no_slot_and_gets_408(nx: Nixl) -> None:
+    r = nx.router(
+        "nx-router-slow-body",
+        {"limits": {"maxInFlight": 1, "maxQueued": 0}, "timeouts": {"clientBodySeconds": 1}},
+    )
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    slow = socket.create_connection(("127.0.0.1", r.port), timeout=30)
+    try:
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: slow-1\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5]
+        )
+        # the only slot stays free while the body is incomplete
+        status, got, _ = post_json(r.url() + "/v1/completions", {"prompt": "y", "max_tokens": 2})
+        assert status == 200, got
+        head = slow.recv(65536)  # then the deadline answers the stalled client
+        assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert b"x-request-id: slow-1" in head.lower()
+        assert b"clientBodySeconds" in head
+    finally:
+        slow.close()
+    counted = {"outcome": "body_timeout"}
+    assert metric_value(r.url(), "pd_router_requests_total", counted) == 1
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "zstd", "bogus"])
+def test_a_compressed_body_is_415_not_500(router: Proc, encoding: str) -> None:
+    status, hdrs, data = http_call(
+        router.url() + "/v1/completions",
+        "POST",
+        b"this is not compressed at all",
+        {"Content-Type": "application/json", "Content-Encoding": encoding, "X-Request-Id": "enc-1"},
+    )
+    assert status == 415, data
+    assert _is_openai_error(json.loads(data), 415)
+    assert "Content-Encoding" in json.loads(data)["error"]["message"]
+    assert hdrs["x-request-id"] == "enc-1"
+    assert "Traceback" not in router.log_tail()
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status"),
+    [
+        (b"{not json", {}, 400),
+        (b'{"prompt": "x", "model": "other"}', {}, 404),
+        (b'{"prompt": "x"}', {"Content-Encoding": "br"}, 415),
+    ],
+)
+def test_router_made_answers_carry_the_request_id(
+    router: Proc, body: bytes, headers: dict[str, str], status: int
+) -> None:
+    hdrs = {"Content-Type": "application/json", "X-Request-Id": "rid-42", **headers}
+    got, resp_headers, _ = http_call(router.url() + "/v1/completions", "POST", body, hdrs)
+    assert got == status
+    assert resp_headers["x-request-id"] == "rid-42"
+
+
 def test_upstream_4xx_passed_through_unchanged(nx: Nixl, router: Proc) -> None:
     req = {"messages": [{"role": "user", "content": "x"}], "temperature": -1}
     s_direct, b_direct, _ = post_json(nx.decoders[0].url() + "/v1/chat/completions", req)
@@ -441,6 +499,10 @@ def test_api_keys(nx: Nixl) -> None:
     msg = {"messages": [{"role": "user", "content": "x"}]}
     auth = {"Authorization": b"Bearer \xff\xfe"}
     assert post_raw_headers(r.port, "/v1/chat/completions", msg, auth) == 401
+    # the 401 carries the caller's request id like every other answer
+    hdrs = {"Authorization": "Bearer wrong", "X-Request-Id": "auth-1"}
+    status, resp_headers, _ = http_call(r.url() + "/v1/completions", "POST", b"{}", hdrs)
+    assert status == 401 and resp_headers["x-request-id"] == "auth-1"
 
 
 def test_dns_discovery(nx: Nixl) -> None:

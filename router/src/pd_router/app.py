@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from pd_router import balancing, handoff_lmcache, handoff_nixl, hub_tokenizer
 from pd_router.auth import ApiKeys
@@ -364,19 +366,13 @@ class Router:
         rid = request.headers.get("X-Request-Id")
         if not rid or not _RID_RE.match(rid):
             rid = uuid.uuid4().hex
-        if not self._authorized(request):
-            self._count("none", "unauthorized")
-            return error_response(401, "invalid or missing API key", "authentication_error")
-        try:
-            await self._acquire()
-        except Reject as r:
-            self._count("none", "rejected")
-            return r.response
         ctx = Ctx(rid, chat, request.path, None)
         status = 0
         try:
-            resp = await self._serve(request, ctx)
+            resp = await self._admit_and_serve(request, ctx)
             status = resp.status
+            if not resp.prepared:  # the router's own answers (errors) carry the id too
+                resp.headers.setdefault("X-Request-Id", rid)
             return resp
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -384,7 +380,6 @@ class Router:
             status = 499
             raise
         finally:
-            self._release()
             if log.isEnabledFor(logging.INFO):
                 log.info(
                     "request",
@@ -397,16 +392,51 @@ class Router:
                     },
                 )
 
-    async def _serve(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+    async def _admit_and_serve(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+        if not self._authorized(request):
+            self._count("none", "unauthorized")
+            return error_response(401, "invalid or missing API key", "authentication_error")
+        # The body is read before a slot is taken, under its own deadline: a client that
+        # stalls half-way through sending it must not hold one of maxInFlight.
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        try:
+            await self._acquire()
+        except Reject as r:
+            self._count("none", "rejected")
+            return r.response
+        try:
+            return await self._serve(request, ctx, raw)
+        finally:
+            self._release()
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
         lim = self.cfg.limits
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # vLLM does not decode request bodies either
+            self._count("none", "bad_request")
+            msg = f"Content-Encoding {encoding[:40]!r} is not supported; send the body uncompressed"
+            return error_response(415, msg, "invalid_request_error")
         if request.content_length is not None and request.content_length > lim.max_body_bytes:
             self._count("none", "too_large")
             return error_response(413, "request body too large", "invalid_request_error")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.cfg.timeouts.client_body_seconds):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             self._count("none", "too_large")
             return error_response(413, "request body too large", "invalid_request_error")
+        except TimeoutError:
+            self._count("none", "body_timeout")
+            msg = "the request body did not arrive within timeouts.clientBodySeconds"
+            return error_response(408, msg, "invalid_request_error")
+        except (HttpProcessingError, RequestPayloadError) as exc:  # a broken chunked body, etc.
+            self._count("none", "bad_request")
+            msg = f"unreadable request body: {getattr(exc, 'message', '') or exc}"
+            return error_response(400, msg, "invalid_request_error")
+
+    async def _serve(self, request: web.Request, ctx: Ctx, raw: bytes) -> web.StreamResponse:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:

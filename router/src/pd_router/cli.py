@@ -26,7 +26,9 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
 
     router = Router(cfg)
     app = build_app(router)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # auto_decompress=False: request bodies are taken as sent, like vLLM's server does; the
+    # router refuses a Content-Encoding itself (415) instead of aiohttp failing in its parser.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_address=True)
     await site.start()

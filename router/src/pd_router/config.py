@@ -11,6 +11,7 @@ parts), the value parsed as a YAML scalar/flow value and validated like the file
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -109,6 +110,8 @@ class LMCache:
 @dataclass(frozen=True)
 class Timeouts:
     connect_seconds: float = 5.0
+    # a client's whole request body must arrive within this (408 otherwise)
+    client_body_seconds: float = 30.0
     prefill_seconds: float = 300.0
     first_byte_seconds: float = 300.0
     stream_idle_seconds: float = 120.0
@@ -276,8 +279,9 @@ def _check_port(value: int, path: str, allow_zero: bool = False) -> None:
 
 
 def _positive(value: float, path: str) -> None:
-    if value <= 0:
-        raise ConfigError(f"{path}: must be > 0, got {value}")
+    # `not value > 0` also refuses NaN; inf would mean "no timeout", which nothing here allows
+    if not value > 0 or math.isinf(value):
+        raise ConfigError(f"{path}: must be a finite number > 0, got {value}")
 
 
 def _validate_tokenizer_hub(model: Model) -> None:

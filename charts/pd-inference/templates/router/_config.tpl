@@ -27,7 +27,7 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
     "notifyTimeoutSeconds" (int $v.kvTransfer.lmcache.notifyTimeoutSeconds)
     "notificationReceiver" $v.kvTransfer.lmcache.notificationReceiver
     "sidecarPort" (int $v.ports.notificationSidecar))
-  "timeouts" (dict "connectSeconds" (int $r.timeouts.connectSeconds) "prefillSeconds" (int $r.timeouts.prefillSeconds) "firstByteSeconds" (int $r.timeouts.firstByteSeconds) "streamIdleSeconds" (int $r.timeouts.streamIdleSeconds))
+  "timeouts" (dict "clientBodySeconds" (int $r.timeouts.clientBodySeconds) "connectSeconds" (int $r.timeouts.connectSeconds) "prefillSeconds" (int $r.timeouts.prefillSeconds) "firstByteSeconds" (int $r.timeouts.firstByteSeconds) "streamIdleSeconds" (int $r.timeouts.streamIdleSeconds))
   "health" (dict "path" "/health" "intervalSeconds" (int $r.health.intervalSeconds) "timeoutSeconds" (int $r.health.timeoutSeconds) "healthyThreshold" (int $r.health.healthyThreshold) "unhealthyThreshold" (int $r.health.unhealthyThreshold) "passiveFailureThreshold" (int $r.health.passiveFailureThreshold))
   "limits" (dict "maxInFlight" (int $r.limits.maxInFlight) "maxQueued" (int $r.limits.maxQueued) "queueTimeoutSeconds" (int $r.limits.queueTimeoutSeconds) "maxBodyBytes" (int64 $r.limits.maxBodyBytes))
   "auth" (dict "apiKeysFile" (ternary (printf "%s/%s" (include "pd-inference.routerKeysDir" .) $r.auth.secretKey) "" (not (empty $r.auth.existingSecret))) "protectMetrics" $r.auth.protectMetrics)
