@@ -243,3 +243,33 @@ def train_tokenizer(folder: Path) -> Tokenizer:
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return tok
+
+
+def answer(base: str, chat: bool, prompt: str, stream: bool, **extra: Any) -> tuple[str, int, str]:
+    """(text, completion tokens, x-pd-route or "") of one request through the openai client to
+    ``base`` (a router or an engine); ``extra`` goes into the body as given."""
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw: dict[str, Any] = {"model": MODEL, "extra_body": extra}
+    if stream:
+        kw["stream_options"] = {"include_usage": True}
+    if chat:
+        api: Any = c.chat.completions
+        kw["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        api = c.completions
+        kw["prompt"] = prompt
+    if not stream:
+        raw = api.with_raw_response.create(**kw)
+        r = raw.parse()
+        text = r.choices[0].message.content if chat else r.choices[0].text
+        return text or "", r.usage.completion_tokens, raw.headers.get("x-pd-route", "")
+    with api.with_streaming_response.create(stream=True, **kw) as resp:
+        chunks = list(resp.parse())
+        route = resp.headers.get("x-pd-route", "")
+    parts = [
+        (ch.choices[0].delta.content if chat else ch.choices[0].text) or ""
+        for ch in chunks
+        if ch.choices
+    ]
+    usage = next(ch.usage for ch in reversed(chunks) if ch.usage is not None)
+    return "".join(parts), usage.completion_tokens, route

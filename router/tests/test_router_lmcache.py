@@ -15,6 +15,7 @@ from pd_router.lmcache_wire import encode_notif
 from router_testlib import (
     MODEL,
     LMCacheStack,
+    answer,
     chat_with_client_kv,
     client,
     http_call,
@@ -114,6 +115,49 @@ def test_completions_endpoint_disaggregated(lm: tuple[LMCacheStack, Proc]) -> No
     )
     assert status == 200
     assert full.choices[0].text == streamed == direct["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"max_tokens": 6, "min_tokens": 6}],
+    ids=["engine-default-length", "min-tokens-equals-max"],
+)
+def test_split_request_gets_the_direct_length(
+    lm: tuple[LMCacheStack, Proc], stream: bool, chat: bool, extra: dict[str, int]
+) -> None:
+    """No max_tokens: the decode leg must not fall to vLLM's completions default of 16;
+    min_tokens: neither leg may be asked for more than it generates (vLLM answers 400)."""
+    s, router = lm
+    engine = s.decoders[0].url("127.0.0.2")
+    # a prompt whose direct answer runs past 17 tokens (chat) or to the 16-token default
+    # (completions), so a decode leg that fell to vLLM's default would show
+    long_enough = (lambda n: n > 20) if chat else (lambda n: n == 16)
+    for words in range(300, 340):
+        prompt = long_text(words)
+        direct = answer(engine, chat, prompt, stream, **extra)
+        if "max_tokens" in extra or long_enough(direct[1]):
+            break
+    else:
+        raise AssertionError("no prompt with a long enough direct answer")
+    split = answer(router.url(), chat, prompt, stream, **extra)
+    assert split[2] == "disaggregated"
+    assert split[:2] == direct[:2]
+
+
+def test_grammar_constrained_requests_are_not_split(lm: tuple[LMCacheStack, Proc]) -> None:
+    _, router = lm
+    before = metric_value(
+        router.url(), "pd_router_fallbacks_total", {"reason": "unsupported_fields"}
+    )
+    for chat in (True, False):
+        grammar = {"structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 3}
+        assert answer(router.url(), chat, long_text(300), False, **grammar)[2] == "fallback"
+    after = metric_value(
+        router.url(), "pd_router_fallbacks_total", {"reason": "unsupported_fields"}
+    )
+    assert after == before + 2
 
 
 def test_decoder_received_kv(lm: tuple[LMCacheStack, Proc]) -> None:

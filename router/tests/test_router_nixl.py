@@ -17,6 +17,7 @@ from pd_router import handoff_nixl
 from pd_router.devstack import Proc, Stack, free_port
 from router_testlib import (
     MODEL,
+    answer,
     chat_with_client_kv,
     client,
     http_call,
@@ -108,6 +109,28 @@ def test_routes_and_equal_answers(nx: Nixl, router: Proc) -> None:
         + metric_value(nx.decoders[1].url(), "pd_sim_kv_remote_prefill_total")
         >= 1
     )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_min_tokens_up_to_max_tokens_is_served(
+    nx: Nixl, router: Proc, stream: bool, chat: bool
+) -> None:
+    """The prefill leg generates one token: it must not carry the client's min_tokens
+    (vLLM refuses min_tokens > max_tokens with a 400)."""
+    prompt = long_text(300)
+    extra = {"max_tokens": 6, "min_tokens": 6}
+    direct = answer(nx.decoders[0].url(), chat, prompt, stream, **extra)
+    split = answer(router.url(), chat, prompt, stream, **extra)
+    assert split[2] == "disaggregated"
+    assert split[:2] == direct[:2] and direct[1] == 6
+
+
+def test_the_simulated_engine_refuses_min_tokens_above_max_tokens_like_vllm(nx: Nixl) -> None:
+    body = {"prompt": "x", "max_tokens": 6, "min_tokens": 7}
+    status, got, _ = post_json(nx.decoders[0].url() + "/v1/completions", body)
+    assert status == 400
+    assert "min_tokens must be less than or equal to max_tokens=6, got 7" in got["message"]
 
 
 def test_threshold_zero_always_disaggregated(nx: Nixl) -> None:

@@ -811,7 +811,7 @@ class Router:
         chat = ctx.chat
         if chat and not handoff_lmcache.chat_supported(body):
             return await self._fallback(request, ctx, raw, body, "unsupported_fields")
-        if not chat and (body.get("echo") or body.get("logprobs") is not None):
+        if not chat and not handoff_lmcache.completions_supported(body):
             return await self._fallback(request, ctx, raw, body, "unsupported_fields")
         pre = balancing.pick(self.prefill.healthy, balancing.prefill_load)
         if pre is None:
@@ -827,6 +827,9 @@ class Router:
             except (*_UPSTREAM_ERRORS, RuntimeError, ValueError, KeyError, TypeError):
                 m.upstream_errors.labels("prefill", "tokenize").inc()
                 return await self._fallback(request, ctx, raw, body, "tokenize_error")
+        mt = handoff_lmcache.effective_max_tokens(body, chat, len(ids), self.counter.max_model_len)
+        if mt is None:
+            return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
         ctx.route = DISAGG
         lm = self.cfg.lmcache
         req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
@@ -868,7 +871,6 @@ class Router:
             )
         self.prefill.report_success(pre)
         stream = body.get("stream") is True
-        mt = handoff_lmcache.requested_max_tokens(body, chat)
         done_after_first = finish == "stop" or mt == 1
         sid = ("chatcmpl-" if chat else "cmpl-") + ctx.rid
         created = int(time.time())

@@ -35,6 +35,7 @@ import yarl
 import zmq
 import zmq.asyncio
 
+from pd_router.handoff_nixl import cap_min_tokens
 from pd_router.lmcache_wire import receive_notifications
 from pd_router.metrics import Metrics
 
@@ -77,12 +78,38 @@ _DROP_FOR_COMPLETIONS = {
 }
 
 
+# Features of either endpoint whose state lives across tokens (a grammar, prompt logprobs of
+# the client's prompt): the decode leg would restart them after the first token.
+SPLIT_UNSUPPORTED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "response_format",
+    "prompt_logprobs",
+)
+COMPLETIONS_UNSUPPORTED = ("echo", "logprobs", *SPLIT_UNSUPPORTED)
+
+
 def chat_supported(body: dict[str, Any]) -> bool:
-    return not any(body.get(k) for k in CHAT_ONLY_UNSUPPORTED)
+    return not any(body.get(k) for k in CHAT_ONLY_UNSUPPORTED) and not any(
+        body.get(k) is not None for k in SPLIT_UNSUPPORTED
+    )
+
+
+def completions_supported(body: dict[str, Any]) -> bool:
+    return not any(
+        body.get(k) is not None and body.get(k) is not False for k in COMPLETIONS_UNSUPPORTED
+    )
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in _DROP_FOR_COMPLETIONS}
+
+
+# vLLM v0.11 CompletionRequest.max_tokens default (the OpenAI completions default)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def requested_max_tokens(body: dict[str, Any], chat: bool) -> int | None:
@@ -90,6 +117,25 @@ def requested_max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     if mt is None:
         mt = body.get("max_tokens")
     return mt
+
+
+def effective_max_tokens(
+    body: dict[str, Any], chat: bool, prompt_len: int, max_model_len: int | None
+) -> int | None:
+    """The output length a direct request would get, so the split request gets the same:
+    the client's value; else vLLM's defaults (completions: 16; chat: what fits in the
+    context, ``max_model_len - prompt``). None when that cannot be known (no
+    ``max_model_len`` from ``/tokenize``); the caller then serves the request directly.
+    A model whose generation_config.json sets ``max_new_tokens`` lowers vLLM's chat default
+    on both legs alike, so such requests may get one token more than directly."""
+    mt = requested_max_tokens(body, chat)
+    if mt is not None:
+        return mt
+    if not chat:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_model_len is None:
+        return None
+    return max(1, max_model_len - prompt_len)
 
 
 def prefill_body(
@@ -101,6 +147,7 @@ def prefill_body(
     alloc_ports: list[int],
 ) -> dict[str, Any]:
     req = _sampling(body)
+    cap_min_tokens(req, 1)
     req.update(
         prompt=ids,
         max_tokens=1,
@@ -119,13 +166,17 @@ def prefill_body(
 
 
 def decode_body(
-    body: dict[str, Any], ids: list[int], first_tok: int, max_tokens: int | None, stream: bool
+    body: dict[str, Any], ids: list[int], first_tok: int, max_tokens: int, stream: bool
 ) -> dict[str, Any]:
+    """``max_tokens``: the effective total (:func:`effective_max_tokens`); the first token
+    came from the prefiller, so the decoder makes one fewer, and needs one fewer minimum."""
     req = _sampling(body)
     req["prompt"] = [*ids, first_tok]
     req["stream"] = stream
-    if max_tokens is not None:
-        req["max_tokens"] = max_tokens - 1
+    req["max_tokens"] = max_tokens - 1
+    mn = req.get("min_tokens")
+    if type(mn) is int and mn > 0:
+        req["min_tokens"] = mn - 1
     so = body.get("stream_options")
     if stream and so is not None:
         req["stream_options"] = so

@@ -23,6 +23,15 @@ PREFILL_PARAMS: dict[str, Any] = {
 }
 
 
+def cap_min_tokens(req: dict[str, Any], limit: int) -> None:
+    """vLLM refuses ``min_tokens > max_tokens`` (SamplingParams._verify_args, v0.11): a leg
+    that generates fewer tokens than the client asked for gets a smaller ``min_tokens``.
+    A value of the wrong type is left alone, so the engine answers it as it would directly."""
+    mn = req.get("min_tokens")
+    if type(mn) is int and mn > limit:
+        req["min_tokens"] = max(0, limit)
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     req = dict(body)
     req["stream"] = False
@@ -30,6 +39,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     req["max_tokens"] = 1
     if "max_completion_tokens" in req:
         req["max_completion_tokens"] = 1
+    cap_min_tokens(req, 1)
     req["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return req
 

@@ -30,6 +30,15 @@ from pd_router.upstream import UpstreamClient
 
 log = logging.getLogger("pd_router.tokens")
 
+TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+    "tools",
+)
 TEMPLATE_BASE = 64  # allowance for chat-template tokens (system header, generation prompt)
 TEMPLATE_PER_MESSAGE = 8
 
@@ -107,6 +116,8 @@ class TokenCounter:
         self.served_name = served_name
         self.local = load_local_tokenizer(tokenizer_spec) if tokenizer_spec else None
         self.source = "file" if self.local is not None else "none"
+        # the engines' context length, learnt from /tokenize (LMCache decode-leg max_tokens)
+        self.max_model_len: int | None = None
 
     def use(self, tokenizer: Any, source: str) -> None:
         """Install a tokenizer obtained after construction (the hub fetch at start-up)."""
@@ -132,7 +143,9 @@ class TokenCounter:
                 "messages": body["messages"],
                 "add_generation_prompt": True,
             }
-            for key in ("tools", "chat_template_kwargs", "continue_final_message"):
+            # everything that shapes the chat template's output, as the client sent it
+            # (vLLM v0.11 TokenizeChatRequest fields), so the ids equal a direct request's
+            for key in TEMPLATE_FIELDS:
                 if key in body:
                     req[key] = body[key]
         else:
@@ -150,4 +163,7 @@ class TokenCounter:
         toks = out["tokens"]
         if not isinstance(toks, list):
             raise RuntimeError("/tokenize returned no token list")
+        mml = out.get("max_model_len")
+        if type(mml) is int and mml > 0:
+            self.max_model_len = mml
         return toks

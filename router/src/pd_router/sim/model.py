@@ -213,7 +213,8 @@ class Generator:
         self.h = seq_hash(prompt)
         self.ignore_eos = ignore_eos
 
-    def step(self) -> int:
-        tok = next_token(self.h, self.ignore_eos)
+    def step(self, suppress_eos: bool = False) -> int:
+        """``suppress_eos``: vLLM's ``min_tokens`` not reached yet."""
+        tok = next_token(self.h, self.ignore_eos or suppress_eos)
         self.h = seq_hash([tok], self.h)
         return tok

@@ -79,15 +79,19 @@ class Seq:
         "done",
         "gen",
         "max_tokens",
+        "min_tokens",
         "n_out",
         "queue",
         "scheduled",
         "uncached",
     )
 
-    def __init__(self, gen: M.Generator, max_tokens: int, uncached: int) -> None:
+    def __init__(
+        self, gen: M.Generator, max_tokens: int, uncached: int, min_tokens: int = 0
+    ) -> None:
         self.gen = gen
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
         self.uncached = uncached
         self.n_out = 0
         self.done = False
@@ -96,7 +100,7 @@ class Seq:
         self.queue: asyncio.Queue[int] = asyncio.Queue()
 
     def emit(self) -> None:
-        tok = self.gen.step()
+        tok = self.gen.step(self.n_out < self.min_tokens)
         self.n_out += 1
         if tok == M.EOS or self.n_out >= self.max_tokens:
             self.done = True
@@ -321,7 +325,7 @@ class SimEngine:
             raise
 
     # ------------------------------------------------------------------ generation
-    def _parse(self, body: Any, chat: bool) -> tuple[list[int], int, bool, bool]:
+    def _parse(self, body: Any, chat: bool) -> tuple[list[int], int, bool, bool, int]:
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         mdl = body.get("model")
@@ -350,9 +354,20 @@ class SimEngine:
         if mt is None:
             mt = body.get("max_tokens")
         if mt is None:
-            mt = min(64 if chat else 16, max(1, self.cfg.max_model_len - len(prompt)))
+            # vLLM v0.11 defaults: CompletionRequest.max_tokens = 16; chat = what fits in the
+            # context (get_max_tokens, no generation_config limit modelled here)
+            mt = 16 if not chat else max(1, self.cfg.max_model_len - len(prompt))
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             raise BadRequest("max_tokens must be at least 1")
+        min_tokens = body.get("min_tokens", 0)
+        if min_tokens is None:
+            min_tokens = 0
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+            raise BadRequest(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        if min_tokens > mt:  # vLLM SamplingParams._verify_args
+            raise BadRequest(
+                f"min_tokens must be less than or equal to max_tokens={mt}, got {min_tokens}."
+            )
         n = body.get("n", 1)
         if n != 1:
             raise BadRequest("the simulated engine supports only n=1")
@@ -369,7 +384,7 @@ class SimEngine:
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise BadRequest("ignore_eos must be a boolean")
-        return prompt, mt, stream, ignore_eos
+        return prompt, mt, stream, ignore_eos, min_tokens
 
     async def _generate_one(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
@@ -387,7 +402,7 @@ class SimEngine:
                 self.m["hanging"] -= 1
         try:
             body = orjson.loads(raw)
-            prompt, max_tokens, stream, ignore_eos = self._parse(body, chat)
+            prompt, max_tokens, stream, ignore_eos, min_tokens = self._parse(body, chat)
         except LookupError as exc:
             return _err(404, str(exc.args[0]), "NotFoundError")
         except (orjson.JSONDecodeError, BadRequest, ValueError, TypeError) as exc:
@@ -436,7 +451,7 @@ class SimEngine:
         if fault == "slow":
             self._consume_fault()
         self.m["prompt_tokens"] += len(prompt)
-        seq = Seq(M.Generator(prompt, ignore_eos), max_tokens, uncached)
+        seq = Seq(M.Generator(prompt, ignore_eos), max_tokens, uncached, min_tokens)
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.running_reqs += 1
