@@ -13,8 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from pd_router import handoff_nixl
+from pd_router import balancing, handoff_nixl
 from pd_router.devstack import Proc, Stack, free_port
+from pd_router.discovery import Endpoint
 from router_testlib import (
     MODEL,
     answer,
@@ -203,6 +204,48 @@ def test_decoder_failure_before_first_byte_is_retried(nx: Nixl) -> None:
         text = f"hang {i}"
         assert _chat(r, text, stream=False)[1] == "direct"
     assert metric_value(r.url(), "pd_router_retries_total", {"pool": "decode"}) >= 1
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_stream_whose_decoder_stalls_after_its_headers_is_retried(nx: Nixl, chat: bool) -> None:
+    """vLLM answers 200 at once and sends the first chunk with the first token: a decoder
+    that stalls in between is a failure before the first byte, and is retried."""
+    r = nx.router(
+        f"nx-router-stall-{chat}",
+        {
+            "routing": {"sessionAffinityHeader": "x-session-id"},
+            "health": {"intervalSeconds": 60, "passiveFailureThreshold": 100},
+        },
+    )
+    bad = nx.decoders[0]
+    eps = [Endpoint(d.url()) for d in nx.decoders]
+    # a session that rendezvous hashing pins to the stalling decoder, so it is tried first
+    session = next(
+        k
+        for k in (f"s{i}" for i in range(100))
+        if balancing.pick(eps, balancing.decode_load, k).base == bad.url()
+    )
+    set_fault(bad, "hang_after_headers")
+    retries = metric_value(r.url(), "pd_router_retries_total", {"pool": "decode"})
+    c = client(r, default_headers={"x-session-id": session})
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "stream": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    if chat:
+        chunks = list(c.chat.completions.create(messages=[{"role": "user", "content": "q"}], **kw))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        chunks = list(c.completions.create(prompt="q", **kw))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == answer(nx.decoders[1].url(), chat, "q", False, max_tokens=6, ignore_eos=True)[0]
+    assert metric_value(r.url(), "pd_router_retries_total", {"pool": "decode"}) == retries + 1
+    # the stalled stream was closed, so the engine gave it up
+    wait_until(
+        lambda: metric_value(bad.url(), "pd_sim_requests_hanging") == 0, "stalled stream closed"
+    )
 
 
 def test_passive_ejection_and_recovery(nx: Nixl) -> None:

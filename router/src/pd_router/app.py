@@ -571,8 +571,41 @@ class Router:
                 m.upstream_errors.labels("decode", "5xx").inc()
                 last = _UpstreamFailed(resp.status, body, resp.headers.get("content-type", ""))
                 continue
+            if stream and resp.status == 200:
+                failed = await self._first_data_failed(ctx, resp, ep)
+                if failed is not None:
+                    last = failed
+                    continue
             pool.report_success(ep)
             return resp, ep
+
+    async def _first_data_failed(
+        self, ctx: Ctx, resp: Response, ep: Endpoint
+    ) -> _UpstreamFailed | None:
+        """A stream is only handed to the client once its first bytes arrived (vLLM sends
+        the headers at once and the first chunk with the first token), so a decoder that
+        accepts a stream and then dies or stalls for ``firstByteSeconds`` is still retried.
+        On failure the response is closed (the engine aborts it) and counted."""
+        try:
+            await resp.first_data(self.cfg.timeouts.first_byte_seconds)
+            return None
+        except _UPSTREAM_ERRORS as exc:
+            ep.active -= 1
+            resp.close()
+            self.decode.report_failure(ep)
+            kind = "timeout" if isinstance(exc, TimeoutError) else "stream"
+            self.metrics.upstream_errors.labels("decode", kind).inc()
+            log.warning(
+                "decoder %s failed before its first chunk: %r",
+                ep.base,
+                exc,
+                extra={"request_id": ctx.rid},
+            )
+            return _UpstreamFailed(504 if kind == "timeout" else 502)
+        except BaseException:
+            ep.active -= 1
+            resp.close()
+            raise
 
     def _fail_response(self, ctx: Ctx, exc: _UpstreamFailed) -> web.Response:
         self._count(ctx.route, "upstream_error")
@@ -970,6 +1003,9 @@ class Router:
             dec.active -= 1
             self.decode.report_failure(dec)
             self.metrics.upstream_errors.labels("decode", "5xx").inc()
+            self.metrics.retries.labels("decode").inc()
+            return await self._open_decoder(ctx, "/v1/completions", data, stream, [dec])
+        if stream and resp.status == 200 and await self._first_data_failed(ctx, resp, dec):
             self.metrics.retries.labels("decode").inc()
             return await self._open_decoder(ctx, "/v1/completions", data, stream, [dec])
         self.decode.report_success(dec)

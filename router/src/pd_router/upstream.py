@@ -212,6 +212,17 @@ class Response:
             self._conn.transport.resume_reading()
         return data
 
+    async def first_data(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until body bytes arrived or the body ended; they stay
+        buffered for :meth:`iter_any`. Raises TimeoutError or the connection's error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._buf and not self.complete:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError()
+            await self._wait(remaining)
+
     async def iter_any(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (idle timeout between chunks)."""
         while True:

@@ -38,6 +38,7 @@ FAULTS = (
     "bad_request",
     "stall",
     "tokenize_error",
+    "hang_after_headers",
 )
 
 
@@ -557,11 +558,20 @@ class SimEngine:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)  # headers go out at once, like vLLM
+        if self._fault() == "hang_after_headers":
+            self._consume_fault()
+            self.m["hanging"] += 1
+            try:
+                await asyncio.Event().wait()  # hang until the client goes away
+            finally:
+                self.m["hanging"] -= 1
         model = self.cfg.model
         obj = "chat.completion.chunk" if chat else "text_completion"
         so = body.get("stream_options")
         include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        role_chunk = b""
         if chat:
+            # vLLM v0.11 sends the role chunk with the first output, i.e. after the prefill
             first = {
                 "id": rid,
                 "object": obj,
@@ -576,11 +586,12 @@ class SimEngine:
                     }
                 ],
             }
-            await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
+            role_chunk = b"data: " + orjson.dumps(first) + b"\n\n"
         n = 0
         while True:
             toks = await self._next_tokens(seq)
-            buf = []
+            buf = [role_chunk] if role_chunk else []
+            role_chunk = b""
             for i, tok in enumerate(toks):
                 n += 1
                 last = seq.done and seq.queue.empty() and i == len(toks) - 1
