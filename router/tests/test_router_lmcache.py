@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import uuid
 from collections.abc import Iterator
@@ -46,13 +47,13 @@ def _chat(router: Proc, content: str, **kw: Any) -> tuple[str, str, Any]:
     return comp.choices[0].message.content, raw.headers["x-pd-route"], comp
 
 
-def _direct_engine(engine: Proc, host: str, content: str) -> str:
+def _direct_engine(engine: Proc, host: str, content: str, max_tokens: int = 12) -> str:
     status, body, _ = post_json(
         engine.url(host) + "/v1/chat/completions",
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": content}],
-            "max_tokens": 12,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
         },
     )
@@ -121,8 +122,8 @@ def test_completions_endpoint_disaggregated(lm: tuple[LMCacheStack, Proc]) -> No
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"max_tokens": 6, "min_tokens": 6}],
-    ids=["engine-default-length", "min-tokens-equals-max"],
+    [{}, {"max_tokens": 6, "min_tokens": 6}, {"max_tokens": 1}],
+    ids=["engine-default-length", "min-tokens-equals-max", "first-token-only"],
 )
 def test_split_request_gets_the_direct_length(
     lm: tuple[LMCacheStack, Proc], stream: bool, chat: bool, extra: dict[str, int]
@@ -351,3 +352,85 @@ def test_prefill_timeout_falls_back_to_direct(lm: tuple[LMCacheStack, Proc]) -> 
         lambda: metric_value(s.prefill.url(), "pd_sim_aborted_total") == aborted + 1,
         "prefiller aborted the timed-out request",
     )
+
+
+HOSTS = ("127.0.0.2", "127.0.0.3")
+
+
+def _stall_decoders(s: LMCacheStack, mode: str) -> None:
+    for d, h in zip(s.decoders, HOSTS, strict=True):
+        set_fault(d, mode, host=h)
+
+
+def _release_decoders(s: LMCacheStack) -> None:
+    for d, h in zip(s.decoders, HOSTS, strict=True):
+        http_call(d.url(h) + "/sim/release", "POST")
+
+
+def test_disaggregated_stream_is_forwarded_as_it_arrives(lm: tuple[LMCacheStack, Proc]) -> None:
+    # the decoders hold their streams after their first tokens: a router that buffered
+    # would show nothing past the prefiller's first token before the release
+    s, router = lm
+    text = long_text(300)
+    _stall_decoders(s, "stall")
+    try:
+        stream = client(router).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=6,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        it = iter(stream)
+        got = [next(it), next(it)]  # the prefiller's first token, then the decoder's first
+        assert all(c.choices[0].delta.content for c in got)
+    finally:
+        _release_decoders(s)
+    rest = "".join(c.choices[0].delta.content or "" for c in it if c.choices)
+    assert "".join(c.choices[0].delta.content for c in got) + rest == _direct_engine(
+        s.decoders[0], HOSTS[0], text, 6
+    )
+
+
+def _aborted(s: LMCacheStack) -> float:
+    return sum(
+        metric_value(d.url(h), "pd_sim_aborted_total")
+        for d, h in zip(s.decoders, HOSTS, strict=True)
+    )
+
+
+def test_client_disconnect_during_the_decode_leg_aborts_it(lm: tuple[LMCacheStack, Proc]) -> None:
+    s, router = lm
+    _stall_decoders(s, "stall")
+    aborted = _aborted(s)
+    gone = metric_value(router.url(), "pd_router_client_disconnects_total")
+    try:
+        body = {
+            "messages": [{"role": "user", "content": long_text(300)}],
+            "stream": True,
+            "max_tokens": 50,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.headers["x-pd-route"] == "disaggregated"
+        assert resp.readline().startswith(b"data: ")  # the prefiller's first token
+        assert resp.readline() == b"\n"
+        assert resp.readline().startswith(b"data: ")  # the decode leg is streaming
+        conn.sock.close()
+        conn.close()
+        wait_until(
+            lambda: _aborted(s) == aborted + 1,
+            "the decoder aborted the decode leg",
+        )
+        wait_until(
+            lambda: metric_value(router.url(), "pd_router_client_disconnects_total") == gone + 1,
+            "disconnect counted",
+        )
+    finally:
+        _release_decoders(s)

@@ -153,19 +153,22 @@ def test_threshold_zero_always_disaggregated(nx: Nixl) -> None:
     assert hdrs["x-pd-route"] == "direct"
 
 
-def test_streamed_chunks_arrive_incrementally(nx: Nixl, router: Proc) -> None:
+@pytest.mark.parametrize("route", ["direct", "disaggregated"])
+def test_streamed_chunks_arrive_incrementally(nx: Nixl, router: Proc, route: str) -> None:
     # Both decoders hold their streams after the first token until released: if the router
     # buffered, the first chunk would never reach us before the release.
+    text = "tell me" if route == "direct" else long_text(300)
     for d in nx.decoders:
         set_fault(d, "stall")
-    stream = client(router).chat.completions.create(
+    raw = client(router).chat.completions.with_raw_response.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "tell me"}],
+        messages=[{"role": "user", "content": text}],
         max_tokens=5,
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    it = iter(stream)
+    assert raw.headers["x-pd-route"] == route
+    it = iter(raw.parse())
     first = next(it)
     assert first.choices[0].delta.role == "assistant"
     second = next(it)
@@ -173,7 +176,7 @@ def test_streamed_chunks_arrive_incrementally(nx: Nixl, router: Proc) -> None:
     for d in nx.decoders:
         http_call(d.url() + "/sim/release", "POST")
     rest = "".join(c.choices[0].delta.content or "" for c in it if c.choices)
-    assert second.choices[0].delta.content + rest == _direct(nx.decoders[0], "tell me", 5)
+    assert second.choices[0].delta.content + rest == _direct(nx.decoders[0], text, 5)
 
 
 def test_prefill_error_and_timeout_fall_back(nx: Nixl, router: Proc) -> None:

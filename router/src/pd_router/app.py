@@ -852,125 +852,155 @@ class Router:
         dec = balancing.pick(self.decode.healthy, balancing.decode_load, ctx.affinity)
         if dec is None:
             return self._fail_response(ctx, _UpstreamFailed(503))
-        if ids is None:
+        # Reserved while it waits for the KV, so concurrent long prompts spread over decoders.
+        dec.active += 1
+        reserved = True
+        try:
+            if ids is None:
+                try:
+                    ids = await self.counter.engine_tokenize(
+                        self.up, pre, body, chat, self.t_tokenize, ctx.headers
+                    )
+                except (*_UPSTREAM_ERRORS, RuntimeError, ValueError, KeyError, TypeError):
+                    m.upstream_errors.labels("prefill", "tokenize").inc()
+                    dec.active -= 1  # not waiting for a KV any more
+                    reserved = False
+                    return await self._fallback(request, ctx, raw, body, "tokenize_error")
+            mt = handoff_lmcache.effective_max_tokens(
+                body, chat, len(ids), self.counter.max_model_len
+            )
+            if mt is None:
+                dec.active -= 1  # not waiting for a KV any more
+                reserved = False
+                return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
+            ctx.route = DISAGG
+            lm = self.cfg.lmcache
+            req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
+            fut = listener.expect(req_id) if listener is not None else None
+            t0 = time.perf_counter()
+            pbody = handoff_lmcache.prefill_body(
+                body, ids, req_id, dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
+            )
             try:
-                ids = await self.counter.engine_tokenize(
-                    self.up, pre, body, chat, self.t_tokenize, ctx.headers
+                status, presp, praw = await self._prefill(
+                    ctx, pre, "/v1/completions", pbody, len(ids)
                 )
-            except (*_UPSTREAM_ERRORS, RuntimeError, ValueError, KeyError, TypeError):
-                m.upstream_errors.labels("prefill", "tokenize").inc()
-                return await self._fallback(request, ctx, raw, body, "tokenize_error")
-        mt = handoff_lmcache.effective_max_tokens(body, chat, len(ids), self.counter.max_model_len)
-        if mt is None:
-            return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
-        ctx.route = DISAGG
-        lm = self.cfg.lmcache
-        req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
-        fut = listener.expect(req_id) if listener is not None else None
-        t0 = time.perf_counter()
-        pbody = handoff_lmcache.prefill_body(
-            body, ids, req_id, dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
-        )
-        try:
-            status, presp, praw = await self._prefill(ctx, pre, "/v1/completions", pbody, len(ids))
-        except _UPSTREAM_ERRORS as exc:
+            except _UPSTREAM_ERRORS as exc:
+                if listener is not None:
+                    listener.cancel(req_id)
+                dec.active -= 1  # not waiting for a KV any more
+                reserved = False
+                return await self._fallback(
+                    request, ctx, raw, body, self._prefill_failed(pre, exc, 0)
+                )
+            except BaseException:
+                if listener is not None:
+                    listener.cancel(req_id)
+                raise
+            first_tok = None
+            first_text = ""
+            finish = None
+            if status == 200:
+                try:
+                    first_tok = presp["kv_transfer_params"]["first_tok"]
+                    ch = presp["choices"][0]
+                    first_text = ch.get("text") or ""
+                    finish = ch.get("finish_reason")
+                except (KeyError, TypeError, IndexError):
+                    first_tok = None
+            if 400 <= status < 500:
+                if listener is not None:
+                    listener.cancel(req_id)
+                return self._passthrough(ctx, status, praw)
+            if status != 200 or type(first_tok) is not int:
+                if listener is not None:
+                    listener.cancel(req_id)
+                dec.active -= 1  # not waiting for a KV any more
+                reserved = False
+                return await self._fallback(
+                    request, ctx, raw, body, self._prefill_failed(pre, None, status or 502)
+                )
+            self.prefill.report_success(pre)
+            stream = body.get("stream") is True
+            done_after_first = finish == "stop" or mt == 1
+            sid = ("chatcmpl-" if chat else "cmpl-") + ctx.rid
+            created = int(time.time())
+            out: web.StreamResponse | None = None
+            if stream:
+                hdrs = {
+                    "x-pd-route": DISAGG,
+                    "x-request-id": ctx.rid,
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                }
+                out = web.StreamResponse(status=200, headers=hdrs)
+                first = self._first_chunk(chat, sid, created, first_text, finish, done_after_first)
+                try:
+                    await out.prepare(request)
+                    await out.write(b"data: " + orjson.dumps(first) + b"\n\n")
+                except ConnectionError:
+                    if listener is not None:
+                        listener.cancel(req_id)
+                    return self._client_gone(ctx, out)
+                self._route_hist[DISAGG][0].observe(time.perf_counter() - ctx.t0)
+                ctx.ttft_done = True
+            if done_after_first:
+                if listener is not None:
+                    listener.cancel(req_id)
+                return await self._lmcache_first_only(
+                    ctx, out, chat, sid, created, first_text, finish, len(ids), body
+                )
             if listener is not None:
-                listener.cancel(req_id)
-            return await self._fallback(request, ctx, raw, body, self._prefill_failed(pre, exc, 0))
-        except BaseException:
-            if listener is not None:
-                listener.cancel(req_id)
-            raise
-        first_tok = None
-        first_text = ""
-        finish = None
-        if status == 200:
-            try:
-                first_tok = presp["kv_transfer_params"]["first_tok"]
-                ch = presp["choices"][0]
-                first_text = ch.get("text") or ""
-                finish = ch.get("finish_reason")
-            except (KeyError, TypeError, IndexError):
-                first_tok = None
-        if 400 <= status < 500:
-            if listener is not None:
-                listener.cancel(req_id)
-            return self._passthrough(ctx, status, praw)
-        if status != 200 or type(first_tok) is not int:
-            if listener is not None:
-                listener.cancel(req_id)
-            return await self._fallback(
-                request, ctx, raw, body, self._prefill_failed(pre, None, status or 502)
-            )
-        self.prefill.report_success(pre)
-        stream = body.get("stream") is True
-        done_after_first = finish == "stop" or mt == 1
-        sid = ("chatcmpl-" if chat else "cmpl-") + ctx.rid
-        created = int(time.time())
-        out: web.StreamResponse | None = None
-        if stream:
-            hdrs = {
-                "x-pd-route": DISAGG,
-                "x-request-id": ctx.rid,
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-            }
-            out = web.StreamResponse(status=200, headers=hdrs)
-            await out.prepare(request)
-            first = self._first_chunk(chat, sid, created, first_text, finish, done_after_first)
-            await out.write(b"data: " + orjson.dumps(first) + b"\n\n")
-            self._route_hist[DISAGG][0].observe(time.perf_counter() - ctx.t0)
-            ctx.ttft_done = True
-        if done_after_first:
-            if listener is not None:
-                listener.cancel(req_id)
-            return await self._lmcache_first_only(
-                ctx, out, chat, sid, created, first_text, finish, len(ids), body
-            )
-        if listener is not None:
-            assert fut is not None
-            ok = await listener.wait(req_id, fut, lm.notify_timeout_seconds)
-        else:
-            outcome = await handoff_lmcache.sidecar_wait(
-                self.session,
-                pre.host,
-                lm.sidecar_port,
-                req_id,
-                lm.notifications_per_request,
-                lm.notify_timeout_seconds,
-                self.cfg.timeouts.connect_seconds,
-            )
-            m.sidecar_waits.labels(outcome).inc()
-            ok = outcome == "ok"
-        self._hw["lmcache"].observe(time.perf_counter() - t0)
-        exclude: list[Endpoint] = []
-        if not ok:
-            m.fallbacks.labels("notify_timeout").inc()
-            log.warning("LMCache notification timed out", extra={"request_id": ctx.rid})
-            ctx.route = FALLBACK
-            exclude = [dec]  # its buffer may hold a partial KV: decode elsewhere if possible
-        dbody = handoff_lmcache.decode_body(body, ids, first_tok, mt, stream)
-        data = orjson.dumps(dbody)
-        try:
-            if ok:
-                resp, dep = await self._open_pinned(ctx, dec, data, stream)
+                assert fut is not None
+                ok = await listener.wait(req_id, fut, lm.notify_timeout_seconds)
             else:
-                resp, dep = await self._open_decoder(ctx, "/v1/completions", data, stream, exclude)
-        except _UpstreamFailed as exc:
+                outcome = await handoff_lmcache.sidecar_wait(
+                    self.session,
+                    pre.host,
+                    lm.sidecar_port,
+                    req_id,
+                    lm.notifications_per_request,
+                    lm.notify_timeout_seconds,
+                    self.cfg.timeouts.connect_seconds,
+                )
+                m.sidecar_waits.labels(outcome).inc()
+                ok = outcome == "ok"
+            self._hw["lmcache"].observe(time.perf_counter() - t0)
+            exclude: list[Endpoint] = []
+            if not ok:
+                m.fallbacks.labels("notify_timeout").inc()
+                log.warning("LMCache notification timed out", extra={"request_id": ctx.rid})
+                ctx.route = FALLBACK
+                exclude = [dec]  # its buffer may hold a partial KV: decode elsewhere if possible
+            dbody = handoff_lmcache.decode_body(body, ids, first_tok, mt, stream)
+            data = orjson.dumps(dbody)
+            dec.active -= 1  # the decode leg counts itself from here on
+            reserved = False
+            try:
+                if ok:
+                    resp, dep = await self._open_pinned(ctx, dec, data, stream)
+                else:
+                    resp, dep = await self._open_decoder(
+                        ctx, "/v1/completions", data, stream, exclude
+                    )
+            except _UpstreamFailed as exc:
+                if out is None:
+                    return self._fail_response(ctx, exc)
+                await self._stream_error(out, "no decoder could continue the stream")
+                self._count(ctx.route, "upstream_error")
+                return out
+            if resp.status != 200 and out is not None:
+                dep.active -= 1
+                resp.release()
+                await self._stream_error(out, f"decoder answered {resp.status}")
+                self._count(ctx.route, "upstream_error")
+                return out
             if out is None:
-                return self._fail_response(ctx, exc)
-            await self._stream_error(out, "no decoder could continue the stream")
-            self._count(ctx.route, "upstream_error")
-            return out
-        if resp.status != 200 and out is not None:
-            dep.active -= 1
-            resp.release()
-            await self._stream_error(out, f"decoder answered {resp.status}")
-            self._count(ctx.route, "upstream_error")
-            return out
-        if out is None:
-            return await self._lmcache_full(ctx, resp, dep, chat, sid, first_text)
-        return await self._lmcache_stream(ctx, out, resp, dep, chat, sid)
+                return await self._lmcache_full(ctx, resp, dep, chat, sid, first_text)
+            return await self._lmcache_stream(ctx, out, resp, dep, chat, sid)
+        finally:
+            if reserved:
+                dec.active -= 1
 
     async def _open_pinned(
         self, ctx: Ctx, dec: Endpoint, data: bytes, stream: bool
@@ -1029,20 +1059,24 @@ class Router:
         body: dict[str, Any],
     ) -> web.StreamResponse:
         e2e = self._route_hist[DISAGG][2]
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": 1, "total_tokens": n_prompt + 1}
         if out is not None:
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
+            tail = b"data: [DONE]\n\n"
+            so = body.get("stream_options")
+            if isinstance(so, dict) and so.get("include_usage"):  # as vLLM: a last usage chunk
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                last = {"id": sid, "object": obj, "created": created, "model": self.served}
+                last.update(choices=[], usage=usage)
+                tail = b"data: " + orjson.dumps(last) + b"\n\n" + tail
+            try:
+                await out.write(tail)
+                await out.write_eof()
+            except ConnectionError:
+                return self._client_gone(ctx, out)
             e2e.observe(time.perf_counter() - ctx.t0)
             self._count(ctx.route, "ok")
             return out
-        resp = self._full_body(
-            chat,
-            sid,
-            created,
-            text,
-            finish or "length",
-            {"prompt_tokens": n_prompt, "completion_tokens": 1, "total_tokens": n_prompt + 1},
-        )
+        resp = self._full_body(chat, sid, created, text, finish or "length", usage)
         e2e.observe(time.perf_counter() - ctx.t0)
         self._count(ctx.route, "ok")
         return web.Response(
