@@ -462,7 +462,8 @@ class Router:
             return await self._direct(request, ctx, raw, body)
         if self.lmcache:
             return await self._lmcache(request, ctx, raw, body, ids)
-        return await self._nixl(request, ctx, raw, body)
+        # prefiller load: the exact prompt length when it is known, else bytes / 4
+        return await self._nixl(request, ctx, raw, body, len(ids) if ids else len(raw) // 4)
 
     # ------------------------------------------------------------------ decision
     async def _decide(self, body: dict[str, Any], ctx: Ctx) -> tuple[bool, list[int] | None]:
@@ -799,14 +800,13 @@ class Router:
 
     # ------------------------------------------------------------------ NIXL
     async def _nixl(
-        self, request: web.Request, ctx: Ctx, raw: bytes, body: dict[str, Any]
+        self, request: web.Request, ctx: Ctx, raw: bytes, body: dict[str, Any], ntok: int
     ) -> web.StreamResponse:
         ep = balancing.pick(self.prefill.healthy, balancing.prefill_load)
         if ep is None:
             return await self._fallback(request, ctx, raw, body, "no_prefiller")
         ctx.route = DISAGG
         t0 = time.perf_counter()
-        ntok = len(raw) // 4
         try:
             status, resp, praw = await self._prefill(
                 ctx, ep, ctx.path, handoff_nixl.prefill_body(body), ntok
