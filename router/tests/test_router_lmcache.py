@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -434,3 +435,50 @@ def test_client_disconnect_during_the_decode_leg_aborts_it(lm: tuple[LMCacheStac
         )
     finally:
         _release_decoders(s)
+
+
+def _outstanding(router: Proc, pool: str) -> float:
+    return metric_value(router.url(), "pd_router_outstanding", {"pool": pool})
+
+
+def test_the_decoder_is_held_while_its_kv_arrives(lm: tuple[LMCacheStack, Proc]) -> None:
+    """The decoder chosen for the KV counts as busy during the prefill, so concurrent long
+    prompts spread over decoders; every count returns to zero afterwards."""
+    s, main = lm
+    router = s.router(
+        "lm-router-reserve",
+        {"timeouts": {"prefillSeconds": 3}, "lmcache": {"notifyPort": free_port()}},
+    )
+    set_fault(s.prefill, "hang", count=1)
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(r=_chat(router, long_text(330))))
+    t.start()
+    try:
+        wait_until(lambda: _outstanding(router, "prefill") == 1, "prefill leg running")
+        assert _outstanding(router, "decode") == 1  # held for the KV before any decode leg
+    finally:
+        t.join(60)
+        set_fault(s.prefill, "none")
+    assert result["r"][1] == "fallback"  # the prefill timed out; a decoder served it
+    assert _outstanding(router, "decode") == 0 and _outstanding(router, "prefill") == 0
+    # and after a request that went all the way through the hand-off
+    assert _chat(main, long_text(331))[1] == "disaggregated"
+    assert _outstanding(main, "decode") == 0 and _outstanding(main, "prefill") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_min_tokens_above_max_tokens_gets_the_engines_400(
+    lm: tuple[LMCacheStack, Proc], stream: bool
+) -> None:
+    s, router = lm
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": long_text(300)}],
+        "max_tokens": 1,
+        "min_tokens": 3,
+        "stream": stream,
+    }
+    direct = post_json(s.decoders[0].url(HOSTS[0]) + "/v1/chat/completions", body)
+    got = post_json(router.url() + "/v1/chat/completions", body)
+    assert direct[0] == got[0] == 400
+    assert got[1] == direct[1]

@@ -134,6 +134,15 @@ def test_the_simulated_engine_refuses_min_tokens_above_max_tokens_like_vllm(nx: 
     assert "min_tokens must be less than or equal to max_tokens=6, got 7" in got["message"]
 
 
+def test_min_tokens_above_max_tokens_is_not_prefilled(nx: Nixl, router: Proc) -> None:
+    body = {"prompt": long_text(300), "max_tokens": 1, "min_tokens": 3}
+    http_call(nx.prefill.url() + "/sim/requests?clear=1")
+    direct = post_json(nx.decoders[0].url() + "/v1/completions", body)
+    got = post_json(router.url() + "/v1/completions", body)
+    assert got[0] == direct[0] == 400 and got[1] == direct[1]
+    assert json.loads(http_call(nx.prefill.url() + "/sim/requests")[2]) == []
+
+
 def test_threshold_zero_always_disaggregated(nx: Nixl) -> None:
     r0 = nx.router("nx-router-t0", {"routing": {"connector": "nixl", "threshold": 0}})
     answer, route = _chat(r0, "hi")
@@ -209,18 +218,22 @@ def test_decoder_failure_before_first_byte_is_retried(nx: Nixl) -> None:
     assert metric_value(r.url(), "pd_router_retries_total", {"pool": "decode"}) >= 1
 
 
+@pytest.mark.parametrize("route", ["direct", "disaggregated"])
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-def test_a_stream_whose_decoder_stalls_after_its_headers_is_retried(nx: Nixl, chat: bool) -> None:
+def test_a_stream_whose_decoder_stalls_after_its_headers_is_retried(
+    nx: Nixl, chat: bool, route: str
+) -> None:
     """vLLM answers 200 at once and sends the first chunk with the first token: a decoder
-    that stalls in between is a failure before the first byte, and is retried."""
+    that stalls in between is a failure before the first byte, and is retried. A retried
+    NIXL decode leg goes out without the hand-off (the blocks may be gone): route fallback."""
     r = nx.router(
-        f"nx-router-stall-{chat}",
+        f"nx-router-stall-{chat}-{route}",
         {
             "routing": {"sessionAffinityHeader": "x-session-id"},
             "health": {"intervalSeconds": 60, "passiveFailureThreshold": 100},
         },
     )
-    bad = nx.decoders[0]
+    bad, good = nx.decoders
     eps = [Endpoint(d.url()) for d in nx.decoders]
     # a session that rendezvous hashing pins to the stalling decoder, so it is tried first
     session = next(
@@ -228,23 +241,35 @@ def test_a_stream_whose_decoder_stalls_after_its_headers_is_retried(nx: Nixl, ch
         for k in (f"s{i}" for i in range(100))
         if balancing.pick(eps, balancing.decode_load, k).base == bad.url()
     )
+    prompt = "q" if route == "direct" else long_text(300)
     set_fault(bad, "hang_after_headers")
+    http_call(good.url() + "/sim/requests?clear=1")
     retries = metric_value(r.url(), "pd_router_retries_total", {"pool": "decode"})
     c = client(r, default_headers={"x-session-id": session})
-    kw: dict[str, Any] = {
-        "model": MODEL,
-        "max_tokens": 6,
-        "stream": True,
-        "extra_body": {"ignore_eos": True},
-    }
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
     if chat:
-        chunks = list(c.chat.completions.create(messages=[{"role": "user", "content": "q"}], **kw))
-        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        api: Any = c.chat.completions
+        kw["messages"] = [{"role": "user", "content": prompt}]
     else:
-        chunks = list(c.completions.create(prompt="q", **kw))
-        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    assert text == answer(nx.decoders[1].url(), chat, "q", False, max_tokens=6, ignore_eos=True)[0]
+        api = c.completions
+        kw["prompt"] = prompt
+    with api.with_streaming_response.create(stream=True, **kw) as resp:
+        got_route = resp.headers["x-pd-route"]
+        chunks = list(resp.parse())
+    text = "".join(
+        ((ch.choices[0].delta.content if chat else ch.choices[0].text) or "")
+        for ch in chunks
+        if ch.choices
+    )
+    assert text == answer(good.url(), chat, prompt, False, max_tokens=6, ignore_eos=True)[0]
     assert metric_value(r.url(), "pd_router_retries_total", {"pool": "decode"}) == retries + 1
+    (served,) = [
+        rec
+        for rec in json.loads(http_call(good.url() + "/sim/requests")[2])
+        if rec["path"].startswith("/v1/") and rec["body"].get("stream")
+    ]
+    assert "kv_transfer_params" not in served["body"]
+    assert got_route == ("direct" if route == "direct" else "fallback")
     # the stalled stream was closed, so the engine gave it up
     wait_until(
         lambda: metric_value(bad.url(), "pd_sim_requests_hanging") == 0, "stalled stream closed"

@@ -72,7 +72,7 @@ class _UpstreamFailed(Exception):
 class Ctx:
     """Per-request state."""
 
-    __slots__ = ("affinity", "chat", "headers", "path", "rid", "route", "t0", "ttft_done")
+    __slots__ = ("affinity", "chat", "headers", "ntok", "path", "rid", "route", "t0", "ttft_done")
 
     def __init__(self, rid: str, chat: bool, path: str, affinity: str | None) -> None:
         self.rid = rid
@@ -84,6 +84,7 @@ class Ctx:
         self.route = DIRECT
         self.t0 = time.perf_counter()
         self.ttft_done = False
+        self.ntok = 0  # prompt tokens when counted exactly (tokens, tokenizer, /tokenize)
 
 
 def validate(body: Any, chat: bool) -> str | None:
@@ -336,6 +337,10 @@ class Router:
         if self.cfg.auth.protect_metrics and not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         self.metrics.in_flight.set(self.in_flight)
+        for pool in (self.prefill, self.decode):
+            self.metrics.outstanding.labels(pool.name).set(
+                sum(e.active for e in pool.endpoints.values())
+            )
         return web.Response(
             body=self.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
@@ -462,8 +467,8 @@ class Router:
             return await self._direct(request, ctx, raw, body)
         if self.lmcache:
             return await self._lmcache(request, ctx, raw, body, ids)
-        # prefiller load: the exact prompt length when it is known, else bytes / 4
-        return await self._nixl(request, ctx, raw, body, len(ids) if ids else len(raw) // 4)
+        # prefiller load: the exact prompt length when it was counted, else bytes / 4
+        return await self._nixl(request, ctx, raw, body, ctx.ntok or len(raw) // 4)
 
     # ------------------------------------------------------------------ decision
     async def _decide(self, body: dict[str, Any], ctx: Ctx) -> tuple[bool, list[int] | None]:
@@ -483,6 +488,7 @@ class Router:
         if ids is not None:
             self._src["tokens"].inc()
             m.prompt_tokens.observe(len(ids))
+            ctx.ntok = len(ids)
             return len(ids) >= th, ids
         text = prompt_text(body, chat)
         allowance = template_allowance(body, chat)
@@ -495,6 +501,7 @@ class Router:
             n = self.counter.local_count(text, allowance)
             self._src["tokenizer"].inc()
             m.prompt_tokens.observe(n)
+            ctx.ntok = n
             return n >= th, None
         ep = balancing.pick(self.decode.healthy, balancing.decode_load) or balancing.pick(
             self.prefill.healthy, balancing.prefill_load
@@ -507,6 +514,7 @@ class Router:
                 )
                 self._src["engine"].inc()
                 m.prompt_tokens.observe(len(ids))
+                ctx.ntok = len(ids)
                 return len(ids) >= th, ids
             except (*_UPSTREAM_ERRORS, RuntimeError, ValueError, KeyError, TypeError) as exc:
                 m.upstream_errors.labels("decode", "tokenize").inc()
@@ -524,9 +532,11 @@ class Router:
         data: bytes,
         stream: bool,
         exclude: list[Endpoint] | None = None,
+        retry_data: bytes | None = None,
     ) -> tuple[Response, Endpoint]:
         """Open a response on a decoder, retrying other decoders on failures before the first
-        byte (connect error, timeout, 5xx). Upstream 4xx is returned as is."""
+        byte (connect error, timeout, 5xx). Upstream 4xx is returned as is. ``retry_data``:
+        the body retries send instead of ``data`` (the route becomes ``fallback``)."""
         tried: list[Endpoint] = list(exclude or [])
         pool = self.decode
         m = self.metrics
@@ -544,9 +554,14 @@ class Router:
                 raise last or _UpstreamFailed(503, None)
             if attempts:
                 m.retries.labels("decode").inc()
+                if retry_data is not None and data is not retry_data:
+                    data = retry_data
+                    m.fallbacks.labels("decode_retry").inc()
+                    ctx.route = FALLBACK
             attempts += 1
             tried.append(ep)
             ep.active += 1
+            started = time.monotonic()
             try:
                 resp = await self.up.post(
                     ep.host, ep.port, ep.tls, path, data, ctx.headers, t.first_byte_seconds, idle
@@ -573,7 +588,7 @@ class Router:
                 last = _UpstreamFailed(resp.status, body, resp.headers.get("content-type", ""))
                 continue
             if stream and resp.status == 200:
-                failed = await self._first_data_failed(ctx, resp, ep)
+                failed = await self._first_data_failed(ctx, resp, ep, started)
                 if failed is not None:
                     last = failed
                     continue
@@ -581,14 +596,15 @@ class Router:
             return resp, ep
 
     async def _first_data_failed(
-        self, ctx: Ctx, resp: Response, ep: Endpoint
+        self, ctx: Ctx, resp: Response, ep: Endpoint, started: float
     ) -> _UpstreamFailed | None:
         """A stream is only handed to the client once its first bytes arrived (vLLM sends
         the headers at once and the first chunk with the first token), so a decoder that
         accepts a stream and then dies or stalls for ``firstByteSeconds`` is still retried.
         On failure the response is closed (the engine aborts it) and counted."""
-        try:
-            await resp.first_data(self.cfg.timeouts.first_byte_seconds)
+        try:  # firstByteSeconds counts from the request, headers included
+            left = self.cfg.timeouts.first_byte_seconds - (time.monotonic() - started)
+            await resp.first_data(max(0.0, left))
             return None
         except _UPSTREAM_ERRORS as exc:
             ep.active -= 1
@@ -624,11 +640,16 @@ class Router:
         return error_response(exc.status, msg, "upstream_error", hdrs)
 
     async def _direct(
-        self, request: web.Request, ctx: Ctx, data: bytes, body: dict[str, Any]
+        self,
+        request: web.Request,
+        ctx: Ctx,
+        data: bytes,
+        body: dict[str, Any],
+        retry_data: bytes | None = None,
     ) -> web.StreamResponse:
         stream = body.get("stream") is True
         try:
-            resp, ep = await self._open_decoder(ctx, ctx.path, data, stream)
+            resp, ep = await self._open_decoder(ctx, ctx.path, data, stream, retry_data=retry_data)
         except _UpstreamFailed as exc:
             return self._fail_response(ctx, exc)
         return await self._relay(request, ctx, resp, ep, stream)
@@ -802,6 +823,10 @@ class Router:
     async def _nixl(
         self, request: web.Request, ctx: Ctx, raw: bytes, body: dict[str, Any], ntok: int
     ) -> web.StreamResponse:
+        mt = handoff_lmcache.requested_max_tokens(body, ctx.chat)
+        if type(mt) is int and handoff_lmcache.min_tokens_above(body, mt):
+            # invalid as sent (vLLM answers 400): no prefill for it
+            return await self._fallback(request, ctx, raw, body, "unsupported_fields")
         ep = balancing.pick(self.prefill.healthy, balancing.prefill_load)
         if ep is None:
             return await self._fallback(request, ctx, raw, body, "no_prefiller")
@@ -826,7 +851,10 @@ class Router:
             return await self._fallback(request, ctx, raw, body, "no_kv_params")
         self._hw["nixl"].observe(time.perf_counter() - t0)
         data = orjson.dumps(handoff_nixl.decode_body(body, kvp))
-        return await self._direct(request, ctx, data, body)
+        # A retry goes out without the hand-off: the failed decoder may already have pulled
+        # the blocks, and the prefiller frees them once pulled (vLLM v0.11 NixlConnector), so
+        # the next decoder recomputes the prompt instead of reading blocks that may be reused.
+        return await self._direct(request, ctx, data, body, retry_data=raw)
 
     # ------------------------------------------------------------------ LMCache
     async def _lmcache(
@@ -873,6 +901,11 @@ class Router:
                 dec.active -= 1  # not waiting for a KV any more
                 reserved = False
                 return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
+            if handoff_lmcache.min_tokens_above(body, mt):
+                # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
+                dec.active -= 1
+                reserved = False
+                return await self._fallback(request, ctx, raw, body, "unsupported_fields")
             ctx.route = DISAGG
             lm = self.cfg.lmcache
             req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
@@ -942,6 +975,10 @@ class Router:
                     if listener is not None:
                         listener.cancel(req_id)
                     return self._client_gone(ctx, out)
+                except BaseException:  # cancelled: the client went away
+                    if listener is not None:
+                        listener.cancel(req_id)
+                    raise
                 self._route_hist[DISAGG][0].observe(time.perf_counter() - ctx.t0)
                 ctx.ttft_done = True
             if done_after_first:
@@ -1008,6 +1045,7 @@ class Router:
         """Decode leg on the decoder that received the KV; other decoders if it fails."""
         t = self.cfg.timeouts
         dec.active += 1
+        started = time.monotonic()
         try:
             resp = await self.up.post(
                 dec.host,
@@ -1035,7 +1073,7 @@ class Router:
             self.metrics.upstream_errors.labels("decode", "5xx").inc()
             self.metrics.retries.labels("decode").inc()
             return await self._open_decoder(ctx, "/v1/completions", data, stream, [dec])
-        if stream and resp.status == 200 and await self._first_data_failed(ctx, resp, dec):
+        if stream and resp.status == 200 and await self._first_data_failed(ctx, resp, dec, started):
             self.metrics.retries.labels("decode").inc()
             return await self._open_decoder(ctx, "/v1/completions", data, stream, [dec])
         self.decode.report_success(dec)

@@ -138,6 +138,13 @@ def effective_max_tokens(
     return max(1, max_model_len - prompt_len)
 
 
+def min_tokens_above(body: dict[str, Any], max_tokens: int) -> bool:
+    """The client asks for more tokens at least than at most: vLLM refuses it (400). The split
+    legs would each look valid, so such a request is not split."""
+    mn = body.get("min_tokens")
+    return type(mn) is int and mn > max_tokens
+
+
 def prefill_body(
     body: dict[str, Any],
     ids: list[int],

@@ -106,7 +106,10 @@ async def fetch_tokenizer_json(hub: TokenizerHub) -> str:
     deadline = time.monotonic() + hub.timeout_seconds
     backoff = _FIRST_BACKOFF
     last = "no attempt made"
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+    # trust_env: HTTPS_PROXY / NO_PROXY / SSL_CERT_FILE, as huggingface_hub (the engines) uses
+    async with aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(), trust_env=True
+    ) as session:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -83,6 +83,12 @@ class Metrics:
             "pd_router_endpoints", "Known endpoints by pool", ["pool"], registry=r
         )
         self.in_flight = Gauge("pd_router_in_flight", "Requests being served", registry=r)
+        self.outstanding = Gauge(
+            "pd_router_outstanding",
+            "Requests this router has on the endpoints of a pool (what balancing compares)",
+            ["pool"],
+            registry=r,
+        )
         self.queued = Gauge("pd_router_queued", "Requests waiting for a slot", registry=r)
         self.rejected = Counter(
             "pd_router_rejected", "Requests rejected before routing", ["reason"], registry=r
