@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from pd_router import balancing, handoff_lmcache, handoff_nixl, hub_tokenizer
+from pd_router import balancing, handoff_lmcache, handoff_nixl, hub_tokenizer, lengths
 from pd_router.auth import ApiKeys
 from pd_router.config import RouterConfig
 from pd_router.discovery import Endpoint, EndpointPool
@@ -823,8 +823,7 @@ class Router:
     async def _nixl(
         self, request: web.Request, ctx: Ctx, raw: bytes, body: dict[str, Any], ntok: int
     ) -> web.StreamResponse:
-        mt = handoff_lmcache.requested_max_tokens(body, ctx.chat)
-        if type(mt) is int and handoff_lmcache.min_tokens_above(body, mt):
+        if lengths.min_tokens_above(body, lengths.requested_max_tokens(body, ctx.chat)):
             # invalid as sent (vLLM answers 400): no prefill for it
             return await self._fallback(request, ctx, raw, body, "unsupported_fields")
         ep = balancing.pick(self.prefill.healthy, balancing.prefill_load)
@@ -894,14 +893,12 @@ class Router:
                     dec.active -= 1  # not waiting for a KV any more
                     reserved = False
                     return await self._fallback(request, ctx, raw, body, "tokenize_error")
-            mt = handoff_lmcache.effective_max_tokens(
-                body, chat, len(ids), self.counter.max_model_len
-            )
+            mt = lengths.effective_max_tokens(body, chat, len(ids), self.counter.max_model_len)
             if mt is None:
                 dec.active -= 1  # not waiting for a KV any more
                 reserved = False
                 return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
-            if handoff_lmcache.min_tokens_above(body, mt):
+            if lengths.min_tokens_above(body, mt):
                 # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
                 dec.active -= 1
                 reserved = False

@@ -35,7 +35,7 @@ import yarl
 import zmq
 import zmq.asyncio
 
-from pd_router.handoff_nixl import cap_min_tokens
+from pd_router.lengths import lower_min_tokens
 from pd_router.lmcache_wire import receive_notifications
 from pd_router.metrics import Metrics
 
@@ -108,43 +108,6 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in _DROP_FOR_COMPLETIONS}
 
 
-# vLLM v0.11 CompletionRequest.max_tokens default (the OpenAI completions default)
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def requested_max_tokens(body: dict[str, Any], chat: bool) -> int | None:
-    mt = body.get("max_completion_tokens") if chat else None
-    if mt is None:
-        mt = body.get("max_tokens")
-    return mt
-
-
-def effective_max_tokens(
-    body: dict[str, Any], chat: bool, prompt_len: int, max_model_len: int | None
-) -> int | None:
-    """The output length a direct request would get, so the split request gets the same:
-    the client's value; else vLLM's defaults (completions: 16; chat: what fits in the
-    context, ``max_model_len - prompt``). None when that cannot be known (no
-    ``max_model_len`` from ``/tokenize``); the caller then serves the request directly.
-    A model whose generation_config.json sets ``max_new_tokens`` lowers vLLM's chat default
-    on both legs alike, so such requests may get one token more than directly."""
-    mt = requested_max_tokens(body, chat)
-    if mt is not None:
-        return mt
-    if not chat:
-        return COMPLETIONS_DEFAULT_MAX_TOKENS
-    if max_model_len is None:
-        return None
-    return max(1, max_model_len - prompt_len)
-
-
-def min_tokens_above(body: dict[str, Any], max_tokens: int) -> bool:
-    """The client asks for more tokens at least than at most: vLLM refuses it (400). The split
-    legs would each look valid, so such a request is not split."""
-    mn = body.get("min_tokens")
-    return type(mn) is int and mn > max_tokens
-
-
 def prefill_body(
     body: dict[str, Any],
     ids: list[int],
@@ -154,7 +117,7 @@ def prefill_body(
     alloc_ports: list[int],
 ) -> dict[str, Any]:
     req = _sampling(body)
-    cap_min_tokens(req, 1)
+    lower_min_tokens(req, produced=0, limit=1)
     req.update(
         prompt=ids,
         max_tokens=1,
@@ -175,15 +138,13 @@ def prefill_body(
 def decode_body(
     body: dict[str, Any], ids: list[int], first_tok: int, max_tokens: int, stream: bool
 ) -> dict[str, Any]:
-    """``max_tokens``: the effective total (:func:`effective_max_tokens`); the first token
+    """``max_tokens``: the effective total (``lengths.effective_max_tokens``); the first token
     came from the prefiller, so the decoder makes one fewer, and needs one fewer minimum."""
     req = _sampling(body)
     req["prompt"] = [*ids, first_tok]
     req["stream"] = stream
     req["max_tokens"] = max_tokens - 1
-    mn = req.get("min_tokens")
-    if type(mn) is int and mn > 0:
-        req["min_tokens"] = mn - 1
+    lower_min_tokens(req, produced=1)
     so = body.get("stream_options")
     if stream and so is not None:
         req["stream_options"] = so

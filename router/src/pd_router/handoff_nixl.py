@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd_router.lengths import lower_min_tokens
+
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -23,15 +25,6 @@ PREFILL_PARAMS: dict[str, Any] = {
 }
 
 
-def cap_min_tokens(req: dict[str, Any], limit: int) -> None:
-    """vLLM refuses ``min_tokens > max_tokens`` (SamplingParams._verify_args, v0.11): a leg
-    that generates fewer tokens than the client asked for gets a smaller ``min_tokens``.
-    A value of the wrong type is left alone, so the engine answers it as it would directly."""
-    mn = req.get("min_tokens")
-    if type(mn) is int and mn > limit:
-        req["min_tokens"] = max(0, limit)
-
-
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     req = dict(body)
     req["stream"] = False
@@ -39,7 +32,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     req["max_tokens"] = 1
     if "max_completion_tokens" in req:
         req["max_completion_tokens"] = 1
-    cap_min_tokens(req, 1)
+    lower_min_tokens(req, produced=0, limit=1)
     req["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return req
 
