@@ -87,6 +87,21 @@ class Ctx:
         self.ntok = 0  # prompt tokens when counted exactly (tokens, tokenizer, /tokenize)
 
 
+class _Hold:
+    """One unit of an endpoint's ``active`` count, given back exactly once."""
+
+    __slots__ = ("ep",)
+
+    def __init__(self, ep: Endpoint) -> None:
+        ep.active += 1
+        self.ep: Endpoint | None = ep
+
+    def release(self) -> None:
+        if self.ep is not None:
+            self.ep.active -= 1
+            self.ep = None
+
+
 def validate(body: Any, chat: bool) -> str | None:
     """Return an error message for bodies the router must refuse (400), else None."""
     if not isinstance(body, dict):
@@ -879,34 +894,27 @@ class Router:
         dec = balancing.pick(self.decode.healthy, balancing.decode_load, ctx.affinity)
         if dec is None:
             return self._fail_response(ctx, _UpstreamFailed(503))
-        # Reserved while it waits for the KV, so concurrent long prompts spread over decoders.
-        dec.active += 1
-        reserved = True
+        if ids is None:
+            try:
+                ids = await self.counter.engine_tokenize(
+                    self.up, pre, body, chat, self.t_tokenize, ctx.headers
+                )
+            except (*_UPSTREAM_ERRORS, RuntimeError, ValueError, KeyError, TypeError):
+                m.upstream_errors.labels("prefill", "tokenize").inc()
+                return await self._fallback(request, ctx, raw, body, "tokenize_error")
+        mt = lengths.effective_max_tokens(body, chat, len(ids), self.counter.max_model_len)
+        if mt is None:
+            return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
+        if lengths.min_tokens_above(body, mt):
+            # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
+            return await self._fallback(request, ctx, raw, body, "unsupported_fields")
+        ctx.route = DISAGG
+        lm = self.cfg.lmcache
+        req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
+        # Held while its KV arrives, so concurrent long prompts spread over decoders.
+        hold = _Hold(dec)
+        fut = listener.expect(req_id) if listener is not None else None
         try:
-            if ids is None:
-                try:
-                    ids = await self.counter.engine_tokenize(
-                        self.up, pre, body, chat, self.t_tokenize, ctx.headers
-                    )
-                except (*_UPSTREAM_ERRORS, RuntimeError, ValueError, KeyError, TypeError):
-                    m.upstream_errors.labels("prefill", "tokenize").inc()
-                    dec.active -= 1  # not waiting for a KV any more
-                    reserved = False
-                    return await self._fallback(request, ctx, raw, body, "tokenize_error")
-            mt = lengths.effective_max_tokens(body, chat, len(ids), self.counter.max_model_len)
-            if mt is None:
-                dec.active -= 1  # not waiting for a KV any more
-                reserved = False
-                return await self._fallback(request, ctx, raw, body, "unknown_max_tokens")
-            if lengths.min_tokens_above(body, mt):
-                # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
-                dec.active -= 1
-                reserved = False
-                return await self._fallback(request, ctx, raw, body, "unsupported_fields")
-            ctx.route = DISAGG
-            lm = self.cfg.lmcache
-            req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
-            fut = listener.expect(req_id) if listener is not None else None
             t0 = time.perf_counter()
             pbody = handoff_lmcache.prefill_body(
                 body, ids, req_id, dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
@@ -918,15 +926,10 @@ class Router:
             except _UPSTREAM_ERRORS as exc:
                 if listener is not None:
                     listener.cancel(req_id)
-                dec.active -= 1  # not waiting for a KV any more
-                reserved = False
+                hold.release()  # not waiting for a KV any more
                 return await self._fallback(
                     request, ctx, raw, body, self._prefill_failed(pre, exc, 0)
                 )
-            except BaseException:
-                if listener is not None:
-                    listener.cancel(req_id)
-                raise
             first_tok = None
             first_text = ""
             finish = None
@@ -939,14 +942,11 @@ class Router:
                 except (KeyError, TypeError, IndexError):
                     first_tok = None
             if 400 <= status < 500:
-                if listener is not None:
-                    listener.cancel(req_id)
                 return self._passthrough(ctx, status, praw)
             if status != 200 or type(first_tok) is not int:
                 if listener is not None:
                     listener.cancel(req_id)
-                dec.active -= 1  # not waiting for a KV any more
-                reserved = False
+                hold.release()  # not waiting for a KV any more
                 return await self._fallback(
                     request, ctx, raw, body, self._prefill_failed(pre, None, status or 502)
                 )
@@ -969,13 +969,7 @@ class Router:
                     await out.prepare(request)
                     await out.write(b"data: " + orjson.dumps(first) + b"\n\n")
                 except ConnectionError:
-                    if listener is not None:
-                        listener.cancel(req_id)
                     return self._client_gone(ctx, out)
-                except BaseException:  # cancelled: the client went away
-                    if listener is not None:
-                        listener.cancel(req_id)
-                    raise
                 self._route_hist[DISAGG][0].observe(time.perf_counter() - ctx.t0)
                 ctx.ttft_done = True
             if done_after_first:
@@ -1008,8 +1002,7 @@ class Router:
                 exclude = [dec]  # its buffer may hold a partial KV: decode elsewhere if possible
             dbody = handoff_lmcache.decode_body(body, ids, first_tok, mt, stream)
             data = orjson.dumps(dbody)
-            dec.active -= 1  # the decode leg counts itself from here on
-            reserved = False
+            hold.release()  # the decode leg counts itself from here on
             try:
                 if ok:
                     resp, dep = await self._open_pinned(ctx, dec, data, stream)
@@ -1032,9 +1025,10 @@ class Router:
             if out is None:
                 return await self._lmcache_full(ctx, resp, dep, chat, sid, first_text)
             return await self._lmcache_stream(ctx, out, resp, dep, chat, sid)
-        finally:
-            if reserved:
-                dec.active -= 1
+        finally:  # whatever happened: the decoder and the notification waiter are given up
+            hold.release()
+            if listener is not None:
+                listener.cancel(req_id)
 
     async def _open_pinned(
         self, ctx: Ctx, dec: Endpoint, data: bytes, stream: bool
