@@ -7,18 +7,15 @@ prefill response, into the decode request) is the one vLLM's own router expects,
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
-from pd_router.devstack import Proc, Stack, free_port
-from router_testlib import MODEL, http_call, long_text, wait_until
+from pd_router.devstack import Proc, Stack, free_port, vllm_router_binary, vllm_router_command
+from router_testlib import answer, http_call, long_text, wait_until
 
 PROMPT = long_text(300)
 
@@ -27,27 +24,11 @@ class PeerStack:
     def __init__(self, stack: Stack) -> None:
         self.prefill = stack.sim("vr-prefill", "--kv-connector", "nixl")
         self.decode = stack.sim("vr-decode", "--kv-connector", "nixl")
-        binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-        assert Path(binary).exists(), "vllm-router is a pinned test dependency (router[test])"
+        assert vllm_router_binary().exists(), "vllm-router is a pinned test dependency"
         self.port = free_port()
         self.log = open(stack.workdir / "vllm-router.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [
-                binary,
-                "--vllm-pd-disaggregation",
-                "--prefill",
-                self.prefill.url(),
-                "--decode",
-                self.decode.url(),
-                "--policy",
-                "round_robin",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-            ],
+            vllm_router_command(self.prefill.url(), self.decode.url(), self.port),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -82,36 +63,19 @@ def peer(stack: Stack) -> Iterator[PeerStack]:
         p.stop()
 
 
-def _client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0)
-
-
 def _requests(engine: Proc) -> list[dict[str, Any]]:
     out = json.loads(http_call(engine.url() + "/sim/requests?clear=1")[2])
     return [r for r in out if r["path"].startswith("/v1/")]
 
 
-def _chat(base: str, stream: bool) -> str:
-    kw: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-    c = _client(base)
-    if not stream:
-        return c.chat.completions.create(**kw).choices[0].message.content or ""
-    chunks = c.chat.completions.create(stream=True, **kw)
-    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_vllm_router_drives_the_simulated_nixl_handoff(peer: PeerStack, stream: bool) -> None:
-    direct = _chat(peer.decode.url(), stream)
+    direct = answer(peer.decode.url(), True, PROMPT, stream, max_tokens=8, temperature=0)
     for engine in (peer.prefill, peer.decode):  # forget the direct request
         _requests(engine)
     remote_before = _remote_prefills(peer.decode)
-    assert _chat(peer.url, stream) == direct  # the same greedy answer through the hand-off
+    # the same greedy answer (text and length) through the hand-off
+    assert answer(peer.url, True, PROMPT, stream, max_tokens=8, temperature=0)[:2] == direct[:2]
     (pre,) = _requests(peer.prefill)
     (dec,) = _requests(peer.decode)
     assert pre["body"]["kv_transfer_params"]["do_remote_decode"] is True

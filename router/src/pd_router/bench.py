@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,13 @@ from typing import Any
 
 import yaml
 
-from pd_router.devstack import DEMO_CONFIG, Stack, free_port
+from pd_router.devstack import (
+    DEMO_CONFIG,
+    Stack,
+    free_port,
+    vllm_router_binary,
+    vllm_router_command,
+)
 
 MODEL = "llama-3.3-70b"
 PROMPT = "Explain in one paragraph why long prompts should be prefilled on separate engines."
@@ -240,32 +245,20 @@ def main(argv: list[str] | None = None) -> int:
             ("ours: disagg lmcache", r_lm.url(), r_lm.pid),
         ]
         vr_note = ""
-        vr_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
         vr_proc: subprocess.Popen[bytes] | None = None
-        if Path(vr_bin).exists():
+        if vllm_router_binary().exists():
             port = free_port()
             vr_log = open(wd / "vllm-router.log", "wb")  # noqa: SIM115
             vr_proc = subprocess.Popen(
-                [
-                    vr_bin,
-                    "--vllm-pd-disaggregation",
-                    "--prefill",
+                vllm_router_command(
                     nx_pre.url(),
-                    "--decode",
                     nx_dec.url(),
-                    "--policy",
-                    "round_robin",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
+                    port,
                     "--max-concurrent-requests",
                     "1024",
                     "--queue-size",
                     "1024",
-                ],
+                ),
                 stdout=vr_log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -93,6 +93,35 @@ def _spawn(
     return proc
 
 
+def vllm_router_binary() -> Path:
+    """The Rust ``vllm-router`` from PyPI (``pd-router[test]``), next to this interpreter."""
+    import shutil
+
+    return Path(shutil.which("vllm-router") or Path(sys.executable).with_name("vllm-router"))
+
+
+def vllm_router_command(prefill_url: str, decode_url: str, port: int, *extra: str) -> list[str]:
+    """``vllm-router`` (0.1.17) in its NIXL PD mode on 127.0.0.1:port, round robin: the peer
+    that ``make bench`` measures against and that the simulator's interop test uses."""
+    return [
+        str(vllm_router_binary()),
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        "--decode",
+        decode_url,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+
+
 def start_sim(name: str, workdir: Path, *args: str) -> Proc:
     return _spawn(name, [sys.executable, "-m", "pd_router.sim", *args], workdir)
 
