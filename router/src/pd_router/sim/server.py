@@ -203,6 +203,14 @@ class SimEngine:
             return "none"
         return f
 
+    async def _hang(self) -> None:
+        """Hang until the client goes away (the ``hang`` faults), counted while it lasts."""
+        self.m["hanging"] += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.m["hanging"] -= 1
+
     def _consume_fault(self) -> None:
         if self.state["fault_count"] > 0:
             self.state["fault_count"] -= 1
@@ -396,11 +404,7 @@ class SimEngine:
                 return _err(503, "simulated engine failure", "ServiceUnavailableError")
             if fault == "bad_request":
                 return _err(400, "simulated bad request")
-            self.m["hanging"] += 1
-            try:
-                await asyncio.Event().wait()  # hang until the client goes away
-            finally:
-                self.m["hanging"] -= 1
+            await self._hang()
         try:
             body = orjson.loads(raw)
             prompt, max_tokens, stream, ignore_eos, min_tokens = self._parse(body, chat)
@@ -560,11 +564,7 @@ class SimEngine:
         await resp.prepare(request)  # headers go out at once, like vLLM
         if self._fault() == "hang_after_headers":
             self._consume_fault()
-            self.m["hanging"] += 1
-            try:
-                await asyncio.Event().wait()  # hang until the client goes away
-            finally:
-                self.m["hanging"] -= 1
+            await self._hang()
         model = self.cfg.model
         obj = "chat.completion.chunk" if chat else "text_completion"
         so = body.get("stream_options")
