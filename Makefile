@@ -14,7 +14,7 @@ RELEASE ?= pd
 NAMESPACE ?= pd-$(ENV)
 export PD_HELM_BINARIES := $(abspath $(HELM4)):$(abspath $(HELM3))
 
-.PHONY: help tools test lint render snapshot docs demo bench fmt clean
+.PHONY: help tools engines test lint render snapshot docs demo bench fmt clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -30,7 +30,10 @@ tools: $(VENV)/.installed ## Install the virtualenv, Helm 4 and Helm 3 (idempote
 	@scripts/install-tools.sh
 	@echo "tools: $$($(PY) --version) in $(VENV), $$($(PY) -m pip freeze | wc -l) packages" >&2
 
-test: tools ## Run every test suite (chart, values, Argo CD, router end to end)
+engines: ## Install the real engine stack (torch, LMCache, NIXL, each checked vLLM) into .tools/engine-stack (first run: ~7 GB, a few minutes)
+	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh
+
+test: tools engines ## Run every test suite (chart, values, Argo CD, real engine stack, router end to end)
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 lint: tools ## The checks users run in their CI (ci/check.sh), plus ruff
@@ -53,7 +56,7 @@ bench: $(VENV)/.installed ## Router vs vllm-router vs direct, on zero-delay simu
 	$(PY) -m pd_router.bench $(ARGS)
 
 fmt: tools ## Format Python code
-	$(VENV)/bin/ruff format router tests ci
+	$(VENV)/bin/ruff format router tests ci charts/pd-inference/files
 
-clean: ## Remove the virtualenv (keeps the Helm builds in .tools/)
+clean: ## Remove the virtualenv (keeps .tools/: the Helm builds and the engine stack)
 	rm -rf $(VENV)
