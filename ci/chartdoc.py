@@ -36,7 +36,7 @@ TABLE_END = "<!-- values-table:end -->"
 # (pd_skip_proxy_notification makes decoders read stale KV): not allowed in extraConfig.
 LMCACHE_CHART_OWNED = {
     "chunk_size", "local_cpu", "enable_pd", "pd_role", "transfer_channel", "nixl_backends",
-    "pd_buffer_size", "pd_buffer_device", "pd_proxy_host", "pd_proxy_port", "pd_peer_host",
+    "pd_buffer_size", "pd_buffer_device", "save_unfull_chunk", "pd_proxy_host", "pd_proxy_port", "pd_peer_host",
     "pd_peer_init_port", "pd_peer_alloc_port", "pd_skip_proxy_notification",
 }  # fmt: skip
 
@@ -63,6 +63,7 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("commonLabels", STRING_MAP),
     ("model.maxModelLen", {"minimum": 1}),
     ("model.kvShape.{layers,kvHeads,headDim}", {"minimum": 0}),
+    ("model.attention", {"enum": ["", "full", "hybrid"]}),
     ("model.kvShape.bytesPerElement", {"enum": [1, 2, 4]}),
     ("model.revision", {"pattern": r"^\S*$"}),
     ("model.hubEndpoint", {"pattern": r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$"}),
@@ -71,11 +72,13 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("engineImage.{repository,tag}", {"minLength": 1}),
     ("imagePullSecrets", {"type": "array", "items": {"type": "string", "minLength": 1}}),
     ("kvTransfer.connector", {"enum": ["lmcache", "nixl"]}),
+    ("engine.preflight.python", {"minLength": 1, "pattern": r"^\S+$"}),
     ("kvTransfer.backend", {"enum": ["auto", "UCX", "LIBFABRIC"]}),
     ("kvTransfer.lmcache.bufferSize", {"minimum": 1}),
     ("kvTransfer.lmcache.bufferDevice", {"enum": ["cuda", "cpu"]}),
     ("kvTransfer.lmcache.{chunkSize,notifyTimeoutSeconds}", {"minimum": 1}),
     ("kvTransfer.nixl.loadFailurePolicy", {"enum": ["fail", "recompute"]}),
+    ("kvTransfer.nixl.bufferDevice", {"enum": ["cuda", "cpu"]}),
     ("kvTransfer.lmcache.notificationReceiver", {"enum": ["router", "prefillSidecar"]}),
     ("kvTransfer.lmcache.sidecar.resources", ref("core.v1.ResourceRequirements")),
     ("efa.devices", {"minimum": 1}),

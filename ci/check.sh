@@ -59,6 +59,6 @@ if step upgrade-safety "no immutable StatefulSet/Deployment field changed withou
 fi
 
 if step ruff "ruff (lint and format) on Python code"; then
-  "$PY" -m ruff check router ci tests
-  "$PY" -m ruff format --check router ci tests
+  "$PY" -m ruff check router ci tests charts/pd-inference/files
+  "$PY" -m ruff format --check router ci tests charts/pd-inference/files
 fi

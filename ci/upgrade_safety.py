@@ -120,6 +120,11 @@ def environments(root: Path) -> dict[str, dict[str, Any]]:
 def previous_version_rev(repo: Path = ROOT) -> str | None:
     """The newest commit whose Chart.yaml version differs from the working tree's."""
     current = chart_version((repo / CHART / "Chart.yaml").read_text())
+    # HEAD first: the working tree bumped the version, so HEAD itself is the previous version
+    # (a commit that merely touched Chart.yaml earlier may be an inconsistent middle state).
+    head = subprocess.run(["git", "show", f"HEAD:{CHART}/Chart.yaml"], cwd=repo, capture_output=True, text=True)
+    if head.returncode == 0 and chart_version(head.stdout) != current:
+        return "HEAD"
     revs = subprocess.run(
         ["git", "rev-list", "HEAD", "--", f"{CHART}/Chart.yaml"], cwd=repo, capture_output=True, text=True
     ).stdout.split()

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests import helm
+from tests.cases import LMCACHE, REFUSED_ALONE
 
-# (values file content, strings the error must contain)
+# (values file content, strings the error must contain), layered over the chart defaults
+# (NixlConnector, the hybrid Qwen3.5-9B).
 BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     "typo_top_level": ("routr:\n  replicas: 2\n", ("routr",)),
     "typo_nested": ("prefill:\n  tensorParalelSize: 2\n", ("/prefill", "tensorParalelSize")),
@@ -36,21 +38,7 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     "bad_quantity": ("efa:\n  hugepages2Mi: lots\n", ("/efa/hugepages2Mi",)),
     "bad_image_digest": ("engineImage:\n  digest: md5:abc\n", ("/engineImage/digest",)),
     "bad_model_cache_type": ("modelCache:\n  type: s3\n", ("/modelCache/type",)),
-    "undersized_kv_buffer": (
-        "model:\n  maxModelLen: 8192\n  kvShape: {layers: 80, kvHeads: 8, headDim: 128, bytesPerElement: 2}\n"
-        "kvTransfer:\n  lmcache:\n    bufferSize: 1073741824\n",
-        ("kvTransfer.lmcache.bufferSize", "2684354560"),
-    ),
     "partial_kv_shape": ("model:\n  kvShape: {layers: 80}\n", ("model.kvShape.kvHeads",)),
-    "two_routers_with_lmcache": (
-        "kvTransfer:\n  connector: lmcache\nrouter:\n  replicas: 2\n",
-        ("router.replicas", "prefillSidecar"),
-    ),
-    "router_hpa_with_lmcache": ("router:\n  autoscaling:\n    enabled: true\n", ("router.autoscaling.enabled",)),
-    "unequal_tp_with_lmcache": (
-        "prefill:\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 4\n",
-        ("decode.tensorParallelSize",),
-    ),
     "pinned_zone_vs_node_selector": (
         "placement:\n  zone: us-east-1a\ndecode:\n  nodeSelector:\n    topology.kubernetes.io/zone: us-east-1b\n",
         ("decode.nodeSelector", "placement.zone"),
@@ -82,10 +70,6 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "kvTransfer:\n  lmcache:\n    notificationReceiver: decoder\n",
         ("/kvTransfer/lmcache/notificationReceiver",),
     ),
-    "sidecar_port_collides_with_engine": (
-        "kvTransfer:\n  lmcache:\n    notificationReceiver: prefillSidecar\nports:\n  notificationSidecar: 8000\n",
-        ("ports.notificationSidecar", "ports.engineHttp"),
-    ),
     "bad_kv_load_failure_policy": (
         "kvTransfer:\n  connector: nixl\n  nixl:\n    loadFailurePolicy: ignore\n",
         ("/kvTransfer/nixl/loadFailurePolicy",),
@@ -100,19 +84,72 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "model_revision_with_space": ("model:\n  revision: main branch\n", ("/model/revision",)),
     "hub_endpoint_not_a_url": ("model:\n  hubEndpoint: hub.internal\n", ("/model/hubEndpoint",)),
+    # The chart default model is hybrid: LMCache's connector cannot serve it in the checked vLLM.
+    "lmcache_with_the_default_hybrid_model": (
+        "kvTransfer:\n  connector: lmcache\n",
+        ("kvTransfer.connector", "Qwen/Qwen3.5-9B", "hybrid", "nixl"),
+    ),
+    "lmcache_with_a_declared_hybrid_model": (
+        "kvTransfer:\n  connector: lmcache\nmodel:\n  name: /models/in-house-ssm\n  attention: hybrid\n",
+        ("kvTransfer.connector", "model.attention is hybrid"),
+    ),
+    "bad_attention_enum": ("model:\n  attention: linear\n", ("/model/attention",)),
+    "bad_nixl_buffer_device": ("kvTransfer:\n  nixl:\n    bufferDevice: gpu\n", ("/kvTransfer/nixl/bufferDevice",)),
+    "preflight_python_with_space": ("engine:\n  preflight:\n    python: python3 -u\n", ("/engine/preflight/python",)),
+}
+
+# The same, layered over tests/scenarios/lmcache.yaml (LMCache PD with a full-attention model): the
+# rules that hold only for the LMCache connector.
+BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "undersized_kv_buffer": (
+        "model:\n  maxModelLen: 8192\n  kvShape: {layers: 80, kvHeads: 8, headDim: 128, bytesPerElement: 2}\n"
+        "kvTransfer:\n  lmcache:\n    bufferSize: 1073741824\n",
+        ("kvTransfer.lmcache.bufferSize", "2684354560"),
+    ),
+    "two_routers_with_lmcache": ("router:\n  replicas: 2\n", ("router.replicas", "prefillSidecar")),
+    "router_hpa_with_lmcache": ("router:\n  autoscaling:\n    enabled: true\n", ("router.autoscaling.enabled",)),
+    "unequal_tp_with_lmcache": (
+        "prefill:\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 4\n",
+        ("decode.tensorParallelSize",),
+    ),
+    "sidecar_port_collides_with_engine": (
+        "kvTransfer:\n  lmcache:\n    notificationReceiver: prefillSidecar\nports:\n  notificationSidecar: 8000\n",
+        ("ports.notificationSidecar", "ports.engineHttp"),
+    ),
+    "chart_owned_save_unfull_chunk": (
+        "kvTransfer:\n  lmcache:\n    extraConfig:\n      save_unfull_chunk: false\n",
+        ("/kvTransfer/lmcache/extraConfig", "save_unfull_chunk"),
+    ),
 }
 
 
 def test_there_are_at_least_fifteen_cases() -> None:
-    assert len(BAD_VALUES) >= 15
+    assert len(BAD_VALUES) + len(BAD_LMCACHE_VALUES) >= 15
 
 
-@pytest.mark.parametrize("case", BAD_VALUES)
+CASES = {**{k: ((), *v) for k, v in BAD_VALUES.items()}, **{k: ((LMCACHE,), *v) for k, v in BAD_LMCACHE_VALUES.items()}}
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_bad_values_fail_naming_the_field(any_helm: Path, case: str) -> None:
-    content, expected = BAD_VALUES[case]
-    result = helm.template(any_helm, values_yaml=content)
+    base, content, expected = CASES[case]
+    result = helm.template(any_helm, base, values_yaml=content)
     assert result.returncode != 0, f"{case} rendered:\n{result.stdout[:500]}"
     for text in expected:
         assert text in result.stderr, f"{case}: {text!r} not in:\n{result.stderr}"
     # A clear message, not a Go panic or a template traceback.
     assert "panic" not in result.stderr and "goroutine" not in result.stderr
+
+
+@pytest.mark.parametrize("case", ["two_routers_with_lmcache", "router_hpa_with_lmcache", "unequal_tp_with_lmcache"])
+def test_lmcache_only_rules_do_not_fire_on_nixl(h4: Path, case: str) -> None:
+    """The negative control of the LMCache-only rules: on the NIXL defaults these values render."""
+    content, _ = BAD_LMCACHE_VALUES[case]
+    result = helm.template(h4, values_yaml=content)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("path", REFUSED_ALONE)
+def test_an_environment_that_needs_its_profile_is_refused_alone(h4: Path, path: str) -> None:
+    result = helm.template(h4, (path,))
+    assert result.returncode != 0 and REFUSED_ALONE[path] in result.stderr, result.stderr

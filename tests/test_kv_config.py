@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests import helm
-from tests.cases import LAYERINGS
+from tests.cases import LAYERINGS, LMCACHE, model_name
 
 ROOT = Path(__file__).resolve().parent.parent
 LMCACHE_KEYS = {
@@ -49,7 +49,7 @@ def lmcache_config(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
 
 
 def test_lmcache_kv_transfer_config_per_role(h4: Path) -> None:
-    docs = helm.render(h4, sets=("kvTransfer.connector=lmcache",))
+    docs = helm.render(h4, (LMCACHE,))
     assert kv_transfer_config(docs, "prefill") == {
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": "kv_producer",
@@ -77,6 +77,7 @@ def test_nixl_kv_transfer_config(h4: Path, efa: bool, backend: str) -> None:
             "kv_connector": "NixlConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "fail",
+            "kv_buffer_device": "cuda",
             "kv_connector_extra_config": {"backends": [backend]},
         }
         e = env(docs, role)
@@ -87,9 +88,31 @@ def test_nixl_kv_transfer_config(h4: Path, efa: bool, backend: str) -> None:
     assert not helm.find(docs, "ConfigMap", "-lmcache")
 
 
+def test_nixl_stages_kv_in_host_memory_when_asked(h4: Path) -> None:
+    docs = helm.render(h4, sets=("kvTransfer.nixl.bufferDevice=cpu",))
+    assert kv_transfer_config(docs, "prefill")["kv_buffer_device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "files,sets,want",
+    [
+        ((), (), "DS"),  # the default model, Qwen3.5-9B, is hybrid (Gated DeltaNet)
+        ((), ("model.name=meta-llama/Llama-3.1-8B-Instruct",), None),
+        ((), ("model.name=/models/my-ssm", "model.attention=hybrid"), "DS"),
+        ((LMCACHE,), (), None),  # LMCache serves only full-attention models
+    ],
+)
+def test_hybrid_models_on_nixl_get_the_conv_state_layout_nixl_needs(
+    h4: Path, files: tuple[str, ...], sets: tuple[str, ...], want: str | None
+) -> None:
+    docs = helm.render(h4, files, sets)
+    for role in ("prefill", "decode"):
+        assert env(docs, role).get("VLLM_SSM_CONV_STATE_LAYOUT") == want
+
+
 def test_pythonhashseed_zero_in_both_roles_and_connectors(h4: Path) -> None:
-    for connector in ("lmcache", "nixl"):
-        docs = helm.render(h4, sets=(f"kvTransfer.connector={connector}",))
+    for files in ((LMCACHE,), ()):
+        docs = helm.render(h4, files)
         for role in ("prefill", "decode"):
             assert env(docs, role)["PYTHONHASHSEED"] == "0"
 
@@ -97,7 +120,9 @@ def test_pythonhashseed_zero_in_both_roles_and_connectors(h4: Path) -> None:
 @pytest.mark.parametrize("efa,backend", [(False, "UCX"), (True, "LIBFABRIC")])
 def test_lmcache_keys_per_role(h4: Path, efa: bool, backend: str) -> None:
     docs = helm.render(
-        h4, sets=(f"efa.enabled={str(efa).lower()}", "decode.tensorParallelSize=4", "prefill.tensorParallelSize=4")
+        h4,
+        (LMCACHE,),
+        sets=(f"efa.enabled={str(efa).lower()}", "decode.tensorParallelSize=4", "prefill.tensorParallelSize=4"),
     )
     sender, receiver = lmcache_config(docs, "prefill"), lmcache_config(docs, "decode")
     common = {
@@ -108,6 +133,8 @@ def test_lmcache_keys_per_role(h4: Path, efa: bool, backend: str) -> None:
         "pd_buffer_size": 2147483648,
         "pd_buffer_device": "cuda",
         "chunk_size": 256,
+        # LMCache 0.5.6 forces it for PD (and warns on every start) when it is not rendered.
+        "save_unfull_chunk": True,
     }
     assert sender == {
         **common,
@@ -125,14 +152,19 @@ def test_lmcache_keys_per_role(h4: Path, efa: bool, backend: str) -> None:
 
 
 def test_lmcache_extra_config_is_passed_to_both_roles(h4: Path) -> None:
-    docs = helm.render(h4, sets=("kvTransfer.lmcache.extraConfig.pd_allocation_timeout_sec=60",))
+    docs = helm.render(h4, (LMCACHE,), sets=("kvTransfer.lmcache.extraConfig.pd_allocation_timeout_sec=60",))
     for role in ("prefill", "decode"):
         assert lmcache_config(docs, role)["pd_allocation_timeout_sec"] == 60
 
 
 @pytest.mark.parametrize("name", LAYERINGS)
 def test_no_retired_or_unknown_lmcache_key_anywhere(h4: Path, name: str) -> None:
-    result = helm.template(h4, LAYERINGS[name], sets=("kvTransfer.connector=lmcache", "router.replicas=1"))
+    # Every layering, switched to LMCache. Those serving Qwen3.5 (hybrid) must be refused instead.
+    sets = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false")
+    result = helm.template(h4, LAYERINGS[name], sets=sets)
+    if "qwen3.5" in model_name(LAYERINGS[name]).lower():
+        assert result.returncode != 0 and "kvTransfer.connector: lmcache cannot serve" in result.stderr
+        return
     assert result.returncode == 0, result.stderr
     for key in RETIRED_KEYS | NEVER_RENDERED:
         assert key not in result.stdout
@@ -150,9 +182,9 @@ def test_kv_buffer_check_accepts_a_buffer_that_fits(h4: Path) -> None:
         "model.kvShape.kvHeads=8",
         "model.kvShape.headDim=128",
     )
-    ok = helm.template(h4, sets=shape + ("kvTransfer.lmcache.bufferSize=2684354560",))
+    ok = helm.template(h4, (LMCACHE,), sets=shape + ("kvTransfer.lmcache.bufferSize=2684354560",))
     assert ok.returncode == 0, ok.stderr
-    short = helm.template(h4, sets=shape + ("kvTransfer.lmcache.bufferSize=2684354559",))
+    short = helm.template(h4, (LMCACHE,), sets=shape + ("kvTransfer.lmcache.bufferSize=2684354559",))
     assert short.returncode != 0 and "kvTransfer.lmcache.bufferSize" in short.stderr
 
 
@@ -165,13 +197,53 @@ def test_kv_buffer_check_is_per_tensor_parallel_rank(h4: Path) -> None:
         "model.kvShape.headDim=128",
     )
     tp8 = ("prefill.tensorParallelSize=8", "decode.tensorParallelSize=8")
-    assert helm.template(h4, sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544320",)).returncode == 0
-    short = helm.template(h4, sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544319",))
+    assert (
+        helm.template(h4, (LMCACHE,), sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544320",)).returncode == 0
+    )
+    short = helm.template(h4, (LMCACHE,), sets=shape + tp8 + ("kvTransfer.lmcache.bufferSize=335544319",))
     assert short.returncode != 0 and "tensorParallelSize 8" in short.stderr
 
 
 def test_sidecar_receiver_points_the_sender_at_localhost(h4: Path) -> None:
-    docs = helm.render(h4, sets=("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
+    docs = helm.render(h4, (LMCACHE,), sets=("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
     sender = lmcache_config(docs, "prefill")
     assert sender["pd_proxy_host"] == "127.0.0.1" and sender["pd_proxy_port"] == 7500
     assert lmcache_config(docs, "decode")["pd_role"] == "receiver"
+
+
+HYBRID_NAMES = [
+    "Qwen/Qwen3.5-9B",
+    "Qwen/Qwen3.5-397B-A17B",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "ai21labs/AI21-Jamba-Mini-1.7",
+    "tiiuae/Falcon-H1-7B-Instruct",
+    "ibm-granite/granite-4.0-h-small",
+    "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+    "state-spaces/mamba-2.8b-hf",
+    "/models/qwen3.5-9b",  # a local path says it too
+]
+FULL_NAMES = ["meta-llama/Llama-3.3-70B-Instruct", "Qwen/Qwen3-32B", "mistralai/Mistral-Small-3.2-24B-Instruct-2506"]
+
+
+@pytest.mark.parametrize("name", HYBRID_NAMES)
+def test_lmcache_refuses_a_hybrid_model_family_named_in_model_name(h4: Path, name: str) -> None:
+    result = helm.template(h4, sets=("kvTransfer.connector=lmcache", f"model.name={name}"))
+    assert result.returncode != 0
+    assert "kvTransfer.connector" in result.stderr and "hybrid" in result.stderr, result.stderr
+    # The same model on NixlConnector is what the chart proposes, and it renders.
+    assert helm.template(h4, sets=(f"model.name={name}",)).returncode == 0
+
+
+@pytest.mark.parametrize("name", FULL_NAMES)
+def test_lmcache_serves_full_attention_models(h4: Path, name: str) -> None:
+    result = helm.template(h4, sets=("kvTransfer.connector=lmcache", f"model.name={name}"))
+    assert result.returncode == 0, result.stderr
+
+
+def test_declared_attention_wins_over_the_name(h4: Path) -> None:
+    declared_hybrid = ("kvTransfer.connector=lmcache", "model.name=/models/in-house", "model.attention=hybrid")
+    result = helm.template(h4, sets=declared_hybrid)
+    assert result.returncode != 0 and "model.attention is hybrid" in result.stderr
+    # An operator who knows better can declare a hybrid-looking name full.
+    declared_full = ("kvTransfer.connector=lmcache", "model.name=acme/mamba-distilled-llama", "model.attention=full")
+    assert helm.template(h4, sets=declared_full).returncode == 0

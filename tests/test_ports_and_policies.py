@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests import helm
-from tests.cases import LAYERINGS
+from tests.cases import LAYERINGS, LMCACHE
 from tests.test_kv_config import container, lmcache_config
 
 CUSTOM_PORTS = (
@@ -44,7 +44,7 @@ def policy_ports(docs: list[dict[str, Any]], suffix: str) -> set[int]:
 
 
 def test_lmcache_ports_agree_everywhere(h4: Path) -> None:
-    docs = helm.render(h4, sets=CUSTOM_PORTS + ("kvTransfer.connector=lmcache",))
+    docs = helm.render(h4, (LMCACHE,), sets=CUSTOM_PORTS)
     init, alloc = [9300, 9301], [9400, 9401]
     rc = router_config(docs)
     assert rc["listen"]["port"] == 8200
@@ -129,7 +129,7 @@ def _allowed_from(policy: dict[str, Any], port: int, pods: dict[str, dict[str, s
 
 
 def test_engines_accept_http_from_router_and_kv_from_other_role(h4: Path) -> None:
-    docs = helm.render(h4, sets=("networkPolicy.allowEphemeralKvPorts=false",))
+    docs = helm.render(h4, (LMCACHE,), sets=("networkPolicy.allowEphemeralKvPorts=false",))
     pods = _pod_labels(docs)
     decode, prefill = helm.one(docs, "NetworkPolicy", "-decode"), helm.one(docs, "NetworkPolicy", "-prefill")
     assert _allowed_from(decode, 8000, pods) == {"router"}
@@ -162,6 +162,7 @@ def test_network_policies_can_be_turned_off(h4: Path) -> None:
 def test_notification_sidecar_ports_agree_everywhere(h4: Path) -> None:
     docs = helm.render(
         h4,
+        (LMCACHE,),
         sets=(
             *CUSTOM_PORTS,
             "ports.notificationSidecar=9700",

@@ -110,18 +110,21 @@ def test_end_to_end_on_a_throwaway_repository(tmp_path: Path) -> None:
         shutil.copytree(helm.ROOT / sub, repo / sub)
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "chart 0.1.0")
+    chart_yaml = repo / "charts/pd-inference/Chart.yaml"
+    version = us.chart_version(chart_yaml.read_text())
+    major, minor = (int(x) for x in version.split(".")[:2])
+    _git(repo, "commit", "-qm", f"chart {version}")
     sts_tpl = repo / "charts/pd-inference/templates/engine/statefulset.yaml"
     text = sts_tpl.read_text()
     assert "serviceName:" in text
     sts_tpl.write_text(text.replace("serviceName: ", "serviceName: renamed-", 1))
-    chart_yaml = repo / "charts/pd-inference/Chart.yaml"
-    chart_yaml.write_text(chart_yaml.read_text().replace("\nversion: 0.1.0", "\nversion: 0.2.0"))
+    minor_bump = f"{major}.{minor + 1}.0"
+    chart_yaml.write_text(chart_yaml.read_text().replace(f"\nversion: {version}", f"\nversion: {minor_bump}"))
     _git(repo, "commit", "-qam", "rename headless services (minor bump only)")
     helm4 = helm.helm_binaries()[0]
     failures = us.check_rev("HEAD~1", repo=repo, helm=helm4)
-    assert failures and all("spec.serviceName" in f and "1.0.0" in f for f in failures), failures
+    assert failures and all("spec.serviceName" in f and f"{major + 1}.0.0" in f for f in failures), failures
     assert {f.split(":")[0] for f in failures} == {"dev", "staging", "prod"}
     assert us.previous_version_rev(repo) is not None
-    chart_yaml.write_text(chart_yaml.read_text().replace("\nversion: 0.2.0", "\nversion: 1.0.0"))
+    chart_yaml.write_text(chart_yaml.read_text().replace(f"\nversion: {minor_bump}", f"\nversion: {major + 1}.0.0"))
     assert us.check_rev("HEAD~1", repo=repo, helm=helm4) == []

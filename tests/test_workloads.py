@@ -3,15 +3,19 @@ PDBs, autoscaling, checksums, images."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests import helm
+from tests.cases import LMCACHE
 from tests.test_kv_config import container
 
 ZONE = "topology.kubernetes.io/zone"
+CHART_VERSION = yaml.safe_load((helm.CHART / "Chart.yaml").read_text())["version"]
 
 
 def pod_spec(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
@@ -57,7 +61,8 @@ def test_privileged_is_a_separate_opt_in(h4: Path) -> None:
     "kind,suffix", [("StatefulSet", "-prefill"), ("StatefulSet", "-decode"), ("Deployment", "-router")]
 )
 def test_pods_are_non_root_and_locked_down(h4: Path, kind: str, suffix: str, receiver: str) -> None:
-    spec = pod_spec(helm.render(h4, sets=(f"kvTransfer.lmcache.notificationReceiver={receiver}",)), kind, suffix)
+    docs = helm.render(h4, (LMCACHE,), sets=(f"kvTransfer.lmcache.notificationReceiver={receiver}",))
+    spec = pod_spec(docs, kind, suffix)
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["automountServiceAccountToken"] is False
     for c in spec["containers"]:
@@ -204,6 +209,7 @@ def test_hpa_for_an_engine_role(h4: Path) -> None:
         ("kvTransfer.lmcache.bufferSize=4294967296", {"prefill", "decode"}),
         ("ports.proxyNotification=7600", {"router", "prefill"}),
         ("kvTransfer.connector=nixl", {"router", "prefill", "decode"}),
+        ("engine.preflight.enabled=false", {"prefill", "decode"}),
     ],
 )
 def test_checksum_changes_with_config(h4: Path, change: str, changed: set[str]) -> None:
@@ -216,7 +222,7 @@ def test_checksum_changes_with_config(h4: Path, change: str, changed: set[str]) 
             if d["kind"] in ("Deployment", "StatefulSet")
         }
 
-    before, after = checksums(helm.render(h4)), checksums(helm.render(h4, sets=(change,)))
+    before, after = checksums(helm.render(h4, (LMCACHE,))), checksums(helm.render(h4, (LMCACHE,), sets=(change,)))
     assert {c for c in before if before[c] != after[c]} == changed
 
 
@@ -237,7 +243,7 @@ def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
         labels = doc["metadata"]["labels"]
         for key in ("name", "instance", "component", "version", "managed-by", "part-of"):
             assert f"app.kubernetes.io/{key}" in labels, (doc["kind"], key)
-        assert labels["helm.sh/chart"] == "pd-inference-0.1.0"
+        assert labels["helm.sh/chart"] == f"pd-inference-{CHART_VERSION}"
         if doc["kind"] in ("Deployment", "StatefulSet"):
             selector = doc["spec"]["selector"]["matchLabels"]
             assert set(selector) == {
@@ -248,16 +254,16 @@ def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
 
 
 def test_lmcache_router_is_single_and_recreated(h4: Path) -> None:
-    deploy = helm.one(helm.render(h4, sets=("kvTransfer.connector=lmcache",)), "Deployment", "-router")
+    deploy = helm.one(helm.render(h4, (LMCACHE,)), "Deployment", "-router")
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
     for scaled in (("kvTransfer.connector=nixl",), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",)):
-        deploy = helm.one(helm.render(h4, sets=(*scaled, "router.replicas=3")), "Deployment", "-router")
+        deploy = helm.one(helm.render(h4, (LMCACHE,), sets=(*scaled, "router.replicas=3")), "Deployment", "-router")
         assert deploy["spec"]["replicas"] == 3 and "strategy" not in deploy["spec"]
 
 
 def test_router_autoscaling_with_the_notification_sidecar(h4: Path) -> None:
     sets = ("kvTransfer.lmcache.notificationReceiver=prefillSidecar", "router.autoscaling.enabled=true")
-    docs = helm.render(h4, sets=sets)
+    docs = helm.render(h4, (LMCACHE,), sets=sets)
     hpa = helm.one(docs, "HorizontalPodAutoscaler", "-router")
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
     assert "replicas" not in helm.one(docs, "Deployment", "-router")["spec"]
@@ -291,3 +297,48 @@ def test_engine_root_filesystem_can_be_made_writable(h4: Path) -> None:
         assert container(helm.render(h4), role)["securityContext"]["readOnlyRootFilesystem"] is True
         docs = helm.render(h4, sets=("engine.readOnlyRootFilesystem=false",))
         assert container(docs, role)["securityContext"]["readOnlyRootFilesystem"] is False
+
+
+def test_preflight_runs_before_vllm_and_execs_it(h4: Path) -> None:
+    docs = helm.render(h4, ("values/profiles/qwen3.5-9b-g6.yaml",))
+    cm = helm.one(docs, "ConfigMap", "-engine-preflight")
+    assert cm["data"]["preflight.py"] == (helm.CHART / "files" / "preflight.py").read_text()
+    for role in ("prefill", "decode"):
+        c = container(docs, role)
+        cut = c["command"].index("--")
+        assert c["command"][cut + 1 :] == ["vllm", "serve"]
+        assert c["command"][:2] == ["python3", "/etc/pd-inference/preflight.py"]
+        assert set(c["command"][2:cut]) == {
+            "--connector=nixl",
+            "--backend=LIBFABRIC",
+            "--efa-devices=1",
+            "--checked-vllm=0.31.0,0.33.0",
+        }
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "preflight")
+        assert mount == {"name": "preflight", "mountPath": "/etc/pd-inference", "readOnly": True}
+        volume = next(v for v in pod_spec(docs, "StatefulSet", f"-{role}")["volumes"] if v["name"] == "preflight")
+        assert volume["configMap"]["name"] == cm["metadata"]["name"]
+
+
+def test_preflight_can_be_turned_off(h4: Path) -> None:
+    docs = helm.render(h4, sets=("engine.preflight.enabled=false",))
+    assert not helm.find(docs, "ConfigMap", "-engine-preflight")
+    for role in ("prefill", "decode"):
+        c = container(docs, role)
+        assert c["command"] == ["vllm", "serve"]
+        assert all(m["name"] != "preflight" for m in c["volumeMounts"])
+
+
+def test_g6_profile_follows_the_reference_pair(h4: Path) -> None:
+    """Two g6.8xlarge, NixlConnector over LIBFABRIC on the one EFA interface a G6 has, one zone."""
+    docs = helm.render(h4, ("values/profiles/qwen3.5-9b-g6.yaml",))
+    for role in ("prefill", "decode"):
+        c = container(docs, role)
+        assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 1
+        assert json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])["kv_connector_extra_config"] == {
+            "backends": ["LIBFABRIC"]
+        }
+        spec = pod_spec(docs, "StatefulSet", f"-{role}")
+        assert spec["nodeSelector"]["node.kubernetes.io/instance-type"] == "g6.8xlarge"
+        terms = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert [t["topologyKey"] for t in terms] == [ZONE]

@@ -110,6 +110,30 @@ UCX
 {{- end -}}
 {{- end -}}
 
+{{/* Where engine containers find files/preflight.py (engine.preflight). */}}
+{{- define "pd-inference.preflightDir" -}}/etc/pd-inference{{- end -}}
+
+{{/*
+"true" when model.name names a model family vLLM serves as a hybrid (IsHybrid / attention-free
+models: more than one KV-cache group, or a Mamba state instead of a KV cache). From vLLM 0.31.0
+and 0.33.0 vllm/model_executor/models/: qwen3_5, qwen3_next, jamba, mamba/mamba2 (also Falcon-
+Mamba, Codestral Mamba), falcon_h1, granitemoehybrid (Granite 4.0-H), nemotron_h (Nemotron-H,
+Nemotron Nano v2, Nemotron 3), zamba2, bamba, lfm2, minimax (lightning attention), plamo2,
+kimi_linear, olmo_hybrid, bailing_moe_linear (Ling/Ring linear). Matched case-insensitively on
+the whole name, so a local path like /models/Qwen3.5-9B matches too.
+*/}}
+{{- define "pd-inference.hybridFamily" -}}
+{{- $families := list "qwen3[.]5" "qwen3-next" "jamba" "mamba" "falcon-h1" "granite-4[.]0-h" "nemotron-h" "nemotron-nano-[0-9.]+b-v2" "nemotron-3" "zamba" "bamba" "lfm2" "minimax-(m1|text-01)" "plamo-?2" "kimi-linear" "olmo-hybrid" "(ling|ring)-[a-z0-9.-]*linear" -}}
+{{- if regexMatch (printf "(?i)(%s)" (join "|" $families)) .Values.model.name -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when the model is hybrid: declared by model.attention, else known by its name. */}}
+{{- define "pd-inference.hybridModel" -}}
+{{- if eq .Values.model.attention "hybrid" -}}true
+{{- else if and (eq .Values.model.attention "") (eq (include "pd-inference.hybridFamily" .) "true") -}}true
+{{- end -}}
+{{- end -}}
+
 {{/* Replicas that run at least: minReplicas under autoscaling, else replicas. Call with the component's values. */}}
 {{- define "pd-inference.minReplicas" -}}
 {{- if and .autoscaling .autoscaling.enabled -}}

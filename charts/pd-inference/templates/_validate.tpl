@@ -6,6 +6,18 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- $v := .Values -}}
 {{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
 
+{{- /*
+What the pinned vLLM can serve. LMCacheConnectorV1 does not implement vLLM's SupportsHMA (vLLM
+0.31.0 and 0.33.0: kv_connector/v1/lmcache_connector.py), so with a hybrid model vLLM turns the
+hybrid KV-cache manager off and the model fails at start-up or when a request finishes (the
+scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The real-engine tier
+(tests/engines/) checks both facts against the installed vLLM versions.
+*/ -}}
+{{- if and $lmcache (eq (include "pd-inference.hybridModel" .) "true") -}}
+{{- $why := ternary "model.attention is hybrid" "model.name is a hybrid model family (linear-attention or Mamba layers besides attention; set model.attention: full only if this model has attention in every layer)" (eq $v.model.attention "hybrid") -}}
+{{- fail (printf "kvTransfer.connector: lmcache cannot serve %s: %s, and vLLM's LMCacheConnectorV1 does not support hybrid KV-cache models (no SupportsHMA in vLLM %s); use kvTransfer.connector: nixl, or a full-attention model" $v.model.name $why (index .Chart.Annotations "pd-inference.io/checked-vllm" | replace "," ", ")) -}}
+{{- end -}}
+
 {{- /* One notification host in LMCache mode: several routers would miss each other's notifications. */ -}}
 {{- $single := eq (include "pd-inference.routerReceivesNotifications" .) "true" -}}
 {{- if and $single (gt (int $v.router.replicas) 1) -}}
@@ -35,7 +47,7 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- end -}}
 
 {{- /* LMCache keys the chart owns cannot be overridden through extraConfig. */ -}}
-{{- range $key := list "chunk_size" "local_cpu" "enable_pd" "pd_role" "transfer_channel" "nixl_backends" "pd_buffer_size" "pd_buffer_device" "pd_proxy_host" "pd_proxy_port" "pd_peer_host" "pd_peer_init_port" "pd_peer_alloc_port" "pd_skip_proxy_notification" -}}
+{{- range $key := list "chunk_size" "local_cpu" "enable_pd" "pd_role" "transfer_channel" "nixl_backends" "pd_buffer_size" "pd_buffer_device" "save_unfull_chunk" "pd_proxy_host" "pd_proxy_port" "pd_peer_host" "pd_peer_init_port" "pd_peer_alloc_port" "pd_skip_proxy_notification" -}}
 {{- if hasKey $v.kvTransfer.lmcache.extraConfig $key -}}
 {{- fail (printf "kvTransfer.lmcache.extraConfig.%s: this LMCache key is set by the chart; use the matching kvTransfer/ports value instead" $key) -}}
 {{- end -}}

@@ -6,8 +6,11 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
   pd_backend): ports are lists of ints indexed by TP rank, pd_buffer_size is bytes per worker.
   Retired keys (enable_nixl, nixl_role, nixl_receiver_host, nixl_receiver_port) are only logged as
   unknown by LMCache, so they are never rendered and tests/ check every key against 0.5.6's list.
+  save_unfull_chunk is rendered true: LMCache 0.5.6 forces it for enable_pd (with a warning on
+  every start) because a dropped partial last chunk would leave the decoder with incomplete KV.
 - kv-transfer-config shapes (LMCacheConnectorV1, NixlConnector with top-level
-  kv_load_failure_policy and kv_connector_extra_config.backends): vLLM 0.33.0.
+  kv_load_failure_policy, kv_buffer_device and kv_connector_extra_config.backends): vLLM 0.31.0
+  and 0.33.0 (KVTransferConfig; tests/engines/ parses every rendered one with both).
 */}}
 
 {{/* --kv-transfer-config for a role, as JSON. Call with (dict "ctx" $ "role" "prefill"). */}}
@@ -26,7 +29,7 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
 {{- end -}}
 {{- else -}}
 {{- $extra := dict "backends" (list (include "pd-inference.nixlBackend" .ctx)) -}}
-{{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" "kv_both" "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_connector_extra_config" $extra -}}
+{{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" "kv_both" "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra -}}
 {{- end -}}
 {{- toJson $cfg -}}
 {{- end -}}
@@ -43,6 +46,7 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
   "nixl_backends" (list (include "pd-inference.nixlBackend" .ctx))
   "pd_buffer_size" (int64 $lm.bufferSize)
   "pd_buffer_device" $lm.bufferDevice
+  "save_unfull_chunk" true
 -}}
 {{- if eq .role "prefill" -}}
 {{- $_ := set $cfg "pd_role" "sender" -}}

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""pd-inference engine preflight: check that the configured KV hand-off can run in THIS image,
+then exec the engine.
+
+    python3 preflight.py --connector nixl --backend LIBFABRIC --efa-devices 1 -- vllm serve ...
+
+The chart runs it as the engine container's entrypoint (`engine.preflight.enabled`), with the
+image's own Python, in the same container as vLLM: same libraries, same devices, same env. On a
+problem it prints ONE line naming the values field to change and what is missing, and exits 3
+before vLLM starts, so a broken image fails at once and loudly instead of serving without KV
+transfer (silent decode-only) or dying late in a worker. On success it prints one line and
+replaces itself with the engine (os.execvp), so vLLM keeps PID 1's signals.
+
+Only the standard library and the image's own nixl/lmcache are used. Checked against NIXL 1.5.1
+(`nixl._api.nixl_agent`: a listed plugin that cannot be loaded raises NIXL_ERR_NOT_FOUND, an
+unlisted one is skipped with a warning), LMCache 0.5.6 (`lmcache.integration.vllm.utils.
+lmcache_get_or_create_config`, the loader vLLM's LMCacheConnectorV1 uses; unknown keys are only
+logged there) and vLLM 0.31.0 / 0.33.0 (`vllm.distributed.nixl_utils` imports `nixl._api`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import glob
+import importlib
+import importlib.metadata
+import logging
+import os
+import struct
+import sys
+from collections.abc import Iterator
+
+PREFIX = "pd-inference preflight"
+EXIT_FAILED = 3
+# The EFA device plugin mounts one uverbs character device per allocated EFA interface.
+EFA_DEVICE_GLOB = "/dev/infiniband/uverbs*"
+
+
+class Failed(Exception):
+    """One line for the operator: the values field to change, then what is missing."""
+
+
+def version_of(dist: str) -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(dist)
+    return None
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence what the checked libraries print on fds 1 and 2 (NIXL logs every agent and a
+    plugin failure as an error line), so the result is reported once, by this script."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+def import_torch_like_the_engine() -> None:
+    """vLLM and LMCache import torch before NIXL, and torch loads the CUDA runtime it ships
+    (libcudart, ...): NIXL's plugins then resolve it by soname. Do the same, or a plugin that
+    loads in the engine would fail here."""
+    with quiet(), contextlib.suppress(Exception):
+        importlib.import_module("torch")
+
+
+# --------------------------------------------------------------------------- NIXL
+def elf_needed_and_runpath(path: str) -> tuple[list[str], list[str]]:
+    """DT_NEEDED and DT_RUNPATH/DT_RPATH of a 64-bit little-endian ELF shared object, read
+    without readelf (engine images rarely ship binutils)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return [], []
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
+    if dynamic is None:
+        return [], []
+    strtab = sections[dynamic[6]]  # sh_link: the string table the entries point into
+    needed_off, runpath_off = [], []
+    for off in range(dynamic[4], dynamic[4] + dynamic[5], 16):
+        tag, val = struct.unpack_from("<qQ", data, off)
+        if tag == 0:
+            break
+        if tag == 1:  # DT_NEEDED
+            needed_off.append(val)
+        elif tag in (15, 29):  # DT_RPATH, DT_RUNPATH
+            runpath_off.append(val)
+
+    def string(o: int) -> str:
+        start = strtab[4] + o
+        return data[start : data.index(b"\0", start)].decode()
+
+    origin = os.path.dirname(os.path.abspath(path))
+    runpath = [
+        p.replace("$ORIGIN", origin).replace("${ORIGIN}", origin)
+        for o in runpath_off
+        for p in string(o).split(":")
+        if p
+    ]
+    return [string(o) for o in needed_off], runpath
+
+
+def missing_libraries(plugin: str) -> list[str]:
+    """The shared libraries a NIXL plugin needs that this image cannot load."""
+    needed, runpath = elf_needed_and_runpath(plugin)
+    missing = []
+    for lib in needed:
+        if any(os.path.exists(os.path.join(d, lib)) for d in runpath):
+            continue
+        try:
+            ctypes.CDLL(lib)
+        except OSError:
+            missing.append(lib)
+    return missing
+
+
+def plugin_files(backend: str) -> list[str]:
+    """Where NIXL looks for `libplugin_<BACKEND>.so`: NIXL_PLUGIN_DIR, else the wheel's plugin
+    folder next to its libnixl (NIXL 1.5.1 wheels: `.nixl_cu<N>.mesonpy.libs/plugins`)."""
+    dirs = [os.environ["NIXL_PLUGIN_DIR"]] if os.environ.get("NIXL_PLUGIN_DIR") else []
+    for path in sys.path:
+        dirs += glob.glob(os.path.join(path or ".", ".nixl*.mesonpy.libs", "plugins"))
+        dirs += glob.glob(os.path.join(path or ".", "nixl*.libs", "nixl"))
+    dirs += ["/opt/nvidia/nvda_nixl/lib/x86_64-linux-gnu/plugins", "/usr/local/nixl/lib/plugins"]
+    name = f"libplugin_{backend}.so"
+    return [os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))]
+
+
+def check_nixl_backend(backend: str, field: str) -> str:
+    """Create a NIXL agent with `backend` exactly as vLLM's NixlConnector and LMCache's NIXL
+    channel do (`nixl_agent(name, nixl_agent_config(backends=[...]))`). Returns NIXL's version."""
+    try:
+        with quiet():
+            api = importlib.import_module("nixl._api")
+    except ImportError as exc:
+        raise Failed(
+            f"{field} needs NIXL, but the engine image cannot import it ({exc}); "
+            "use an engine image with NIXL (engineImage)"
+        ) from None
+    nixl_version = version_of("nixl") or "unknown"
+    error = ""
+    try:
+        with quiet():
+            agent = api.nixl_agent("pd-inference-preflight", api.nixl_agent_config(backends=[backend]))
+        created = backend in agent.backends
+    except Exception as exc:  # NIXL raises its own error types (nixlNotFoundError, ...)
+        created, error = False, f"{type(exc).__name__}: {exc}"
+    if created:
+        return nixl_version
+    plugins = plugin_files(backend)
+    if not plugins:
+        reason = f"the image's NIXL {nixl_version} has no {backend} plugin (libplugin_{backend}.so)"
+    elif missing := missing_libraries(plugins[0]):
+        reason = f"{', '.join(missing)} not found"
+    else:
+        reason = error or f"NIXL {nixl_version} did not create it"
+    raise Failed(f"{field} resolves to {backend}, but the image's NIXL cannot create it: {reason}")
+
+
+# --------------------------------------------------------------------------- LMCache
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def check_lmcache_config() -> str:
+    """Load LMCACHE_CONFIG_FILE plus the LMCACHE_* env exactly as vLLM's LMCacheConnectorV1
+    does (LMCache 0.5.6 `lmcache_get_or_create_config`); refuse unknown keys and any value LMCache
+    had to change (it only logs both). Returns LMCache's version."""
+    field = "kvTransfer.connector=lmcache"
+    try:
+        with quiet():
+            config_mod = importlib.import_module("lmcache.v1.config")
+            utils = importlib.import_module("lmcache.integration.vllm.utils")
+    except ImportError as exc:
+        raise Failed(
+            f"{field} needs LMCache, but the engine image cannot import it ({exc}); use an LMCache engine image (engineImage)"
+        ) from None
+    path = os.environ.get("LMCACHE_CONFIG_FILE", "")
+    if not path or not os.path.isfile(path):
+        raise Failed(
+            f"{field}: LMCACHE_CONFIG_FILE={path!r} is not a file (the chart's LMCache ConfigMap is not mounted)"
+        )
+    import yaml  # LMCache depends on PyYAML
+
+    with open(path) as f:
+        keys = set(yaml.safe_load(f) or {})
+    # LMCACHE_<KEY> env vars are read only for known keys, so only the file can hold unknown ones.
+    known = set(getattr(config_mod, "_CONFIG_DEFINITIONS", {}))
+    unknown = sorted(keys - known) if known else []
+    if unknown:
+        raise Failed(
+            f"kvTransfer.lmcache.extraConfig: LMCache {version_of('lmcache')} does not know "
+            f"{', '.join(unknown)} (it would ignore them); remove them or pin the LMCache the chart was checked against"
+        )
+    capture = _Capture()
+    loggers = [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict) if n.startswith("lmcache")]
+    for lg in loggers:
+        lg.addHandler(capture)
+    try:
+        with quiet():
+            utils.lmcache_get_or_create_config()
+    except Exception as exc:
+        raise Failed(f"kvTransfer.lmcache: LMCache refused the rendered config: {type(exc).__name__}: {exc}") from None
+    finally:
+        for lg in loggers:
+            lg.removeHandler(capture)
+    if capture.messages:
+        raise Failed(f"kvTransfer.lmcache: LMCache changed or ignored the rendered config: {capture.messages[0]}")
+    return version_of("lmcache") or "unknown"
+
+
+# --------------------------------------------------------------------------- EFA
+def check_efa(expected: int) -> None:
+    visible = len(glob.glob(EFA_DEVICE_GLOB))
+    if visible == 0:
+        raise Failed(
+            f"efa.enabled is true, but no EFA device is visible in the pod ({EFA_DEVICE_GLOB}): "
+            "is the EFA device plugin running on this node and does the instance type have EFA?"
+        )
+    if visible < expected:
+        raise Failed(
+            f"efa.devices: {expected} EFA devices requested, but only {visible} are visible in the pod ({EFA_DEVICE_GLOB})"
+        )
+
+
+# --------------------------------------------------------------------------- main
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" not in argv:
+        raise SystemExit(f"{PREFIX}: usage: preflight.py [options] -- ENGINE COMMAND...")
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="preflight.py")
+    p.add_argument("--connector", choices=["lmcache", "nixl"], required=True)
+    p.add_argument("--backend", required=True, help="the NIXL backend the chart resolved (UCX, LIBFABRIC)")
+    p.add_argument("--backend-field", default="kvTransfer.backend", help="values field named on failure")
+    p.add_argument("--efa-devices", type=int, default=0, help="EFA devices requested (0 = EFA off)")
+    p.add_argument("--checked-vllm", default="", help="comma-separated vLLM versions the chart was checked against")
+    args = p.parse_args(argv[:cut])
+    command = argv[cut + 1 :]
+    if not command:
+        raise SystemExit(f"{PREFIX}: no engine command after --")
+    return args, command
+
+
+def run_checks(args: argparse.Namespace) -> str:
+    """All checks; the summary line on success, Failed on the first problem."""
+    if args.efa_devices > 0:
+        check_efa(args.efa_devices)
+    parts = [f"connector={args.connector}", f"backend={args.backend}"]
+    if args.efa_devices > 0:
+        parts.append(f"efa devices={len(glob.glob(EFA_DEVICE_GLOB))}")
+    import_torch_like_the_engine()
+    parts.append(f"nixl {check_nixl_backend(args.backend, args.backend_field)}")
+    if args.connector == "lmcache":
+        parts.append(f"lmcache {check_lmcache_config()}")
+    vllm = version_of("vllm")
+    parts.append(f"vllm {vllm or 'not installed'}")
+    checked = [v for v in args.checked_vllm.split(",") if v]
+    if vllm and checked and vllm not in checked:
+        parts.append(f"WARNING: the chart was checked against vLLM {', '.join(checked)}, not {vllm}")
+    return ", ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, command = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        summary = run_checks(args)
+    except Failed as exc:
+        print(f"{PREFIX}: FAILED: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    print(f"{PREFIX}: ok ({summary})", file=sys.stderr, flush=True)
+    os.execvp(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
