@@ -1,0 +1,125 @@
+"""Runs in the real engine stack with one vLLM version on PYTHONPATH: parse rendered engine
+command lines with `vllm serve`'s own argument parser, validate them as `vllm serve` does, build
+AsyncEngineArgs, and look at what vLLM made of the KV-transfer config and the env.
+
+stdin:  {"cases": [{"name", "args": [...after `vllm serve`], "env": {VLLM_*: ...}}],
+         "connectors": ["LMCacheConnectorV1", ...]}
+stdout: {"version", "results": [{"name", "error" | parsed fields}], "connectors": {name: {...}},
+         "env_defined": {VAR: bool}}
+
+The parser is built the way vLLM's CLI builds it (vllm/entrypoints/cli/main.py: a top-level
+FlexibleArgumentParser with subcommands; ServeSubcommand.subparser_init adds every engine and
+frontend flag), checked against vLLM 0.31.0 and 0.33.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+import vllm
+import vllm.envs as envs
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+
+def build_parser() -> tuple[FlexibleArgumentParser, ServeSubcommand]:
+    parser = FlexibleArgumentParser(description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    serve = ServeSubcommand()
+    serve.subparser_init(subparsers).set_defaults(dispatch_function=serve.cmd)
+    return parser, serve
+
+
+def parse(case: dict) -> dict:
+    saved = dict(os.environ)
+    os.environ.update(case.get("env", {}))
+    err = io.StringIO()
+    try:
+        parser, serve = build_parser()
+        with contextlib.redirect_stderr(err):
+            args = parser.parse_args(["serve", *case["args"]])
+        if getattr(args, "model_tag", None):
+            args.model = args.model_tag  # as ServeSubcommand.cmd does
+        serve.validate(args)
+        ea = AsyncEngineArgs.from_cli_args(args)
+    except SystemExit as exc:
+        return {"name": case["name"], "error": f"exit {exc.code}: {err.getvalue().strip().splitlines()[-1:]}"}
+    except Exception as exc:
+        return {"name": case["name"], "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    kv = ea.kv_transfer_config
+    out = {
+        "name": case["name"],
+        "model": ea.model,
+        "served_model_name": ea.served_model_name,
+        "revision": ea.revision,
+        "tensor_parallel_size": ea.tensor_parallel_size,
+        "max_model_len": ea.max_model_len,
+        "gpu_memory_utilization": ea.gpu_memory_utilization,
+        "host": args.host,
+        "port": args.port,
+        "kv_type": type(kv).__name__,
+    }
+    if isinstance(kv, KVTransferConfig):
+        out["kv"] = {
+            "kv_connector": kv.kv_connector,
+            "kv_role": kv.kv_role,
+            "kv_buffer_device": kv.kv_buffer_device,
+            "kv_load_failure_policy": getattr(kv, "kv_load_failure_policy", None),
+            "kv_connector_extra_config": kv.kv_connector_extra_config,
+        }
+        cls = KVConnectorFactory.get_connector_class(kv)
+        out["connector_class"] = cls.__name__
+        out["supports_hma"] = KVConnectorFactory.supports_hma_config(kv)
+    return out
+
+
+def env_value_ok(name: str, value: str) -> str | None:
+    """None when vLLM accepts `value` for `name` (its getter validates choices), else the error."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        envs.environment_variables[name]()
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+def main() -> None:
+    payload = json.load(sys.stdin)
+    results = [parse(case) for case in payload["cases"]]
+    env_vars = {k: v for case in payload["cases"] for k, v in case.get("env", {}).items() if k.startswith("VLLM_")}
+    connectors = {}
+    for name in payload.get("connectors", []):
+        cls = KVConnectorFactory.get_connector_class_by_name(name)
+        connectors[name] = {"class": f"{cls.__module__}.{cls.__name__}", "supports_hma": supports_hma(cls)}
+    print(
+        json.dumps(
+            {
+                "version": vllm.__version__,
+                "results": results,
+                "connectors": connectors,
+                "env_defined": {k: k in envs.environment_variables for k in env_vars},
+                "env_errors": {k: env_value_ok(k, v) for k, v in env_vars.items() if k in envs.environment_variables},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

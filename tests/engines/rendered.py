@@ -1,0 +1,86 @@
+"""What the chart renders for the engines, collected for the real-engine checks: every LMCache
+config (ConfigMap `lmcache.yaml` plus the container's LMCACHE_* env) and every engine command
+line (`vllm serve` arguments plus VLLM_* env), over every layering the chart tests render."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tests import helm
+from tests.cases import LAYERINGS, LMCACHE, model_name
+
+# Every layering switched to LMCache where its model is not hybrid (LMCache cannot serve Qwen3.5),
+# plus the LMCache shapes no environment uses yet: TP 4, the notification sidecar, extraConfig.
+FORCE_LMCACHE = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false")
+LMCACHE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    f"{name} (lmcache)": (files, FORCE_LMCACHE)
+    for name, files in LAYERINGS.items()
+    if "qwen3.5" not in model_name(files).lower()
+}
+LMCACHE_RENDERS["scenario:lmcache tp4"] = ((LMCACHE,), ("prefill.tensorParallelSize=4", "decode.tensorParallelSize=4"))
+LMCACHE_RENDERS["scenario:lmcache sidecar"] = ((LMCACHE,), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
+LMCACHE_RENDERS["scenario:lmcache extraConfig"] = (
+    (LMCACHE,),
+    (
+        "kvTransfer.lmcache.extraConfig.pd_allocation_timeout_sec=60",
+        "kvTransfer.lmcache.extraConfig.pd_backend_mode=sync",
+    ),
+)
+# The engine command lines: every layering as it is, and every LMCache render.
+ENGINE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    **{name: (files, ()) for name, files in LAYERINGS.items()},
+    **LMCACHE_RENDERS,
+}
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine container as rendered."""
+
+    render: str
+    role: str
+    command: list[str]  # what the container runs after the preflight: ["vllm", "serve"]
+    args: list[str]
+    env: dict[str, str]  # literal env values (valueFrom entries left out)
+    tp: int
+    lmcache_yaml: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.render} {self.role}"
+
+    @property
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return json.loads(self.args[self.args.index("--kv-transfer-config") + 1])
+
+
+@functools.cache
+def engines(render: str) -> tuple[Engine, ...]:
+    files, sets = ENGINE_RENDERS[render]
+    docs = helm.render(helm.helm_binaries()[0], files, sets)
+    out = []
+    for role in ROLES:
+        sts = helm.one(docs, "StatefulSet", f"-{role}")
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        command = c["command"][c["command"].index("--") + 1 :] if "--" in c["command"] else c["command"]
+        cms = helm.find(docs, "ConfigMap", f"-{role}-lmcache")
+        out.append(
+            Engine(
+                render=render,
+                role=role,
+                command=command,
+                args=list(c["args"]),
+                env={e["name"]: e["value"] for e in c.get("env", []) if "value" in e},
+                tp=int(next(a for a in c["args"] if a.startswith("--tensor-parallel-size=")).split("=")[1]),
+                lmcache_yaml=cms[0]["data"]["lmcache.yaml"] if cms else None,
+            )
+        )
+    return tuple(out)
+
+
+def all_engines(renders: dict[str, Any] = ENGINE_RENDERS) -> list[Engine]:
+    return [e for r in renders for e in engines(r)]

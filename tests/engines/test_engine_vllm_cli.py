@@ -1,0 +1,112 @@
+"""Every engine command line the chart renders, parsed by the real `vllm serve` argument parser
+of each vLLM version the chart is checked against (Chart.yaml pd-inference.io/checked-vllm)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.engines import rendered, stack
+
+# One worker runs the whole module: its real-stack harness runs once, cached (pytest-xdist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine-vllm-cli")
+
+ENGINES = rendered.all_engines()
+CONNECTORS = ["LMCacheConnectorV1", "NixlConnector"]
+# The negative controls: things the parser must refuse, or this test proves nothing.
+BAD = {
+    "unknown flag": ["--no-such-flag-pd-inference=1"],
+    "bad kv-transfer-config": ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_rolee": "kv_both"}'],
+    "bad kv_role": ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_everything"}'],
+}
+
+
+@functools.cache
+def parsed(version: str) -> dict[str, Any]:
+    cases = [{"name": e.name, "args": e.args, "env": e.env} for e in ENGINES]
+    base = ENGINES[0].args
+    cases += [{"name": f"BAD {name}", "args": [*base, *extra], "env": {}} for name, extra in BAD.items()]
+    out = stack.run("vllm_cli.py", {"cases": cases, "connectors": CONNECTORS}, vllm=version)
+    out["by_name"] = {r["name"]: r for r in out["results"]}
+    return out
+
+
+@pytest.fixture(params=stack.VLLM_VERSIONS, ids=lambda v: f"vllm-{v}")
+def vllm_version(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_the_installed_vllm_is_the_checked_one(vllm_version: str) -> None:
+    assert parsed(vllm_version)["version"] == vllm_version
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e.name)
+def test_vllm_serve_accepts_the_rendered_command_line(vllm_version: str, engine: rendered.Engine) -> None:
+    assert engine.command == ["vllm", "serve"]
+    result = parsed(vllm_version)["by_name"][engine.name]
+    assert "error" not in result, result.get("error")
+    flags = dict(a.split("=", 1) for a in engine.args if a.startswith("--") and "=" in a)
+    assert result["model"] == engine.args[0]
+    assert result["served_model_name"] == [flags["--served-model-name"]]
+    assert result["tensor_parallel_size"] == int(flags["--tensor-parallel-size"]) == engine.tp
+    assert result["max_model_len"] == int(flags["--max-model-len"])
+    assert result["gpu_memory_utilization"] == float(flags["--gpu-memory-utilization"])
+    assert (result["host"], result["port"]) == ("0.0.0.0", int(flags["--port"]))
+    assert result["revision"] == flags.get("--revision")
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e.name)
+def test_kv_transfer_config_parses_into_vllms_kv_transfer_config(vllm_version: str, engine: rendered.Engine) -> None:
+    result = parsed(vllm_version)["by_name"][engine.name]
+    assert result["kv_type"] == "KVTransferConfig"
+    rendered_kv = engine.kv_transfer_config
+    for key, value in rendered_kv.items():
+        assert result["kv"][key] == value, key
+    # The connector the chart names is one vLLM has registered, and its class is the one used.
+    assert result["connector_class"] in {"LMCacheConnectorV1", "NixlConnector", "NixlPullConnector"}
+
+
+def test_every_vllm_env_var_the_chart_sets_exists_with_a_valid_value(vllm_version: str) -> None:
+    out = parsed(vllm_version)
+    assert out["env_defined"], "the renders set no VLLM_* variable at all"
+    assert {k for k, ok in out["env_defined"].items() if not ok} == set()
+    assert {k: e for k, e in out["env_errors"].items() if e} == {}
+    assert {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_SSM_CONV_STATE_LAYOUT"} <= set(
+        out["env_defined"]
+    )
+
+
+def test_the_parser_refuses_bad_command_lines_negative_control(vllm_version: str) -> None:
+    by = parsed(vllm_version)["by_name"]
+    for name in BAD:
+        assert "error" in by[f"BAD {name}"], f"vLLM {vllm_version} accepted the {name}"
+    assert "no-such-flag-pd-inference" in by["BAD unknown flag"]["error"]
+
+
+def test_the_chart_refuses_exactly_the_connectors_vllm_cannot_run_hybrid_models_on(vllm_version: str) -> None:
+    """The reason for the chart's LMCache + hybrid refusal (templates/_validate.tpl), from vLLM
+    itself: a connector without SupportsHMA turns the hybrid KV-cache manager off."""
+    connectors = parsed(vllm_version)["connectors"]
+    assert connectors["LMCacheConnectorV1"]["supports_hma"] is False
+    assert connectors["NixlConnector"]["supports_hma"] is True
+    # and what vLLM reports for the parsed configs agrees, render by render
+    for e in ENGINES:
+        result = parsed(vllm_version)["by_name"][e.name]
+        assert result["supports_hma"] is (e.kv_transfer_config["kv_connector"] == "NixlConnector")
+
+
+def test_hybrid_renders_all_run_on_a_connector_with_hma(vllm_version: str) -> None:
+    hybrid = [e for e in ENGINES if e.env.get("VLLM_SSM_CONV_STATE_LAYOUT") == "DS"]
+    assert hybrid, "no render serves a hybrid model"
+    for e in hybrid:
+        assert parsed(vllm_version)["by_name"][e.name]["supports_hma"] is True, e.name
+
+
+def test_chart_yaml_states_the_versions_this_tier_installs() -> None:
+    pins = sorted(p.stem.removeprefix("vllm-") for p in (stack.ROOT / "scripts/engine-stack").glob("vllm-*.txt"))
+    assert sorted(stack.VLLM_VERSIONS) == pins
+    chart = yaml.safe_load(stack.CHART_YAML.read_text())
+    assert chart["annotations"]["pd-inference.io/checked-vllm"] == ",".join(stack.VLLM_VERSIONS)
