@@ -131,7 +131,10 @@ def test_the_simulated_engine_refuses_min_tokens_above_max_tokens_like_vllm(nx: 
     body = {"prompt": "x", "max_tokens": 6, "min_tokens": 7}
     status, got, _ = post_json(nx.decoders[0].url() + "/v1/completions", body)
     assert status == 400
-    assert "min_tokens must be less than or equal to max_tokens=6, got 7" in got["message"]
+    # vLLM's nested error body (SamplingParams._verify_args, vLLM 0.31)
+    msg = "min_tokens must be less than or equal to max_tokens=6, got 7."
+    assert got["error"]["message"] == msg
+    assert got["error"]["type"] == "BadRequestError" and got["error"]["code"] == 400
 
 
 def test_min_tokens_above_max_tokens_is_not_prefilled(nx: Nixl, router: Proc) -> None:
@@ -563,7 +566,7 @@ def test_upstream_4xx_passed_through_unchanged(nx: Nixl, router: Proc) -> None:
     # also on the disaggregated route (the prefiller rejects it)
     req["messages"][0]["content"] = long_text()
     s_router, b_router, _ = post_json(router.url() + "/v1/chat/completions", req)
-    assert s_router == 400 and b_router["object"] == "error"
+    assert s_router == 400 and b_router["error"]["type"] == "BadRequestError"
     with pytest.raises(openai.BadRequestError):
         client(router).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1

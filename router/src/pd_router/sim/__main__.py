@@ -36,7 +36,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
     p.add_argument("--slow-factor", type=float, default=20.0)
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--engine-id", default="")
+    p.add_argument(
+        "--vllm-version",
+        choices=["0.31", "0.33"],
+        default="0.31",
+        help="vLLM whose rules to follow (0.33: only the prompt must fit max_model_len)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="scheduler token budget per step (vLLM's default for an API server on H100/H200)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=1024, help="most sequences running")
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=8192,
+        help="KV-cache blocks (16 tokens each) behind vllm:kv_cache_usage_perc",
+    )
     a = p.parse_args(argv)
+    if a.max_num_batched_tokens < 1 or a.max_num_seqs < 1 or a.num_gpu_blocks_override < 1:
+        p.error(
+            "--max-num-batched-tokens, --max-num-seqs and --num-gpu-blocks-override must be >= 1"
+        )
     cfg = SimConfig(
         host=a.host,
         port=a.port,
@@ -57,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         slow_factor=a.slow_factor,
         fault=a.fault,
         engine_id=a.engine_id,
+        vllm_version=a.vllm_version,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+        num_gpu_blocks=a.num_gpu_blocks_override,
     )
     return cfg, a.port_file
 

@@ -205,16 +205,85 @@ def token_text(tok: int) -> str:
 
 
 class Generator:
-    """Yields successive greedy tokens for a prompt (one per call)."""
+    """Yields successive greedy tokens for a prompt (one per call).
+
+    ``index`` is the choice of an ``n > 1`` request: choice 0 is the plain answer (so the
+    disaggregated continuation property holds for it), the others start from a seed derived
+    from the index, so the n choices differ and are reproducible."""
 
     __slots__ = ("h", "ignore_eos")
 
-    def __init__(self, prompt: list[int], ignore_eos: bool) -> None:
-        self.h = seq_hash(prompt)
+    def __init__(self, prompt: list[int], ignore_eos: bool, index: int = 0) -> None:
+        h = seq_hash(prompt)
+        self.h = _mix(h ^ ((index * 0x9E3779B97F4A7C15) & _MASK)) if index else h
         self.ignore_eos = ignore_eos
 
-    def step(self, suppress_eos: bool = False) -> int:
-        """``suppress_eos``: vLLM's ``min_tokens`` not reached yet."""
+    def step(self, suppress_eos: bool = False, banned: frozenset[int] = frozenset()) -> int:
+        """``suppress_eos``: vLLM's ``min_tokens`` not reached yet; ``banned``: the
+        request's ``stop_token_ids`` then, which vLLM masks too (v1/sample/logits_processor/
+        builtin.py, 0.31: MinTokensLogitsProcessor masks ``all_stop_token_ids``)."""
         tok = next_token(self.h, self.ignore_eos or suppress_eos)
+        salt = 0
+        while tok in banned and salt < 64:
+            salt += 1
+            tok = OUT_BASE + (_mix(self.h + salt) >> 8) % len(VOCAB_OUT)
         self.h = seq_hash([tok], self.h)
         return tok
+
+
+class TextState:
+    """Output text of one sequence with vLLM's stop-string rules (v1/engine/detokenizer.py,
+    0.31, ``BaseIncrementalDetokenizer`` and ``check_stop_strings``): a stop string ends the
+    sequence and, unless ``include_stop_str_in_output``, is cut from the text together with
+    anything after it; a token that stopped the sequence (EOS or a stop token id) adds no
+    text then either; stop strings are looked for only after ``min_tokens`` tokens, and in
+    the text those tokens produced not at all. Streamed text holds back the last
+    ``len(longest stop string) - 1`` characters until the sequence ends, so a stop string
+    never leaks out half-seen."""
+
+    __slots__ = ("hold", "include", "min_tokens", "n", "sent", "stop", "text")
+
+    def __init__(self, stop: list[str], include: bool, min_tokens: int) -> None:
+        self.stop = stop
+        self.include = include
+        self.min_tokens = min_tokens
+        self.hold = max(len(s) for s in stop) - 1 if stop and not include else 0
+        self.text = ""
+        self.sent = 0
+        self.n = 0
+
+    def add(self, tok: int, stop_terminated: bool) -> str | None:
+        """One output token; the stop string it completed, if any."""
+        self.n += 1
+        start = len(self.text)
+        if self.include or not stop_terminated:
+            # appended to a local that holds the only reference: CPython grows the string
+            # in place, so a long answer is not copied once per token
+            text, self.text = self.text, ""
+            text += token_text(tok)
+            self.text = text
+        if self.min_tokens and self.n <= self.min_tokens:
+            start = len(self.text)
+        new = len(self.text) - start
+        if not self.stop or self.n <= self.min_tokens or not new:
+            return None
+        best: tuple[str, int, int] | None = None
+        for s in self.stop:
+            # only where the new text can complete it; the earliest completion wins
+            i = self.text.find(s, max(0, len(self.text) - new - len(s) + 1))
+            if i != -1 and (best is None or i + len(s) < best[2]):
+                best = (s, i, i + len(s))
+        if best is None:
+            return None
+        s, i, end = best
+        self.text = self.text[:end] if self.include else self.text[:i]
+        return s
+
+    def delta(self, finished: bool) -> str:
+        """Text not handed out yet (all of it once ``finished``)."""
+        upto = len(self.text) - (0 if finished else self.hold)
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent : upto]
+        self.sent = upto
+        return out

@@ -1,17 +1,42 @@
-"""Simulated vLLM engine: an aiohttp server with vLLM's OpenAI surface, timing model,
-both KV hand-off protocols and fault switches.
+"""Simulated vLLM engine: an aiohttp server with vLLM's OpenAI surface, vLLM V1's scheduler
+timing, both KV hand-off protocols and fault switches.
 
-Shapes checked against vLLM v0.11 (``vllm/entrypoints/openai/protocol.py``): SSE chunks
-``chat.completion.chunk`` / ``text_completion`` ending in ``data: [DONE]``, top-level
-``kv_transfer_params`` in completion responses, ``POST /tokenize`` returning
-``{count, max_model_len, tokens, token_strs}``, error body ``{object: "error", message,
-type, param, code}``. Metric names from vLLM's v1 Prometheus logger (``vllm:...``).
+It follows vLLM 0.31.0 (the version in the engine image ``lmcache/vllm-openai:v0.5.6``);
+``--vllm-version 0.33`` switches to 0.33.0's prompt-length rule (only the prompt must fit
+``max_model_len``; the output is clamped to what fits) and NIXL metrics. Every rule cites
+the vLLM file it was checked against (paths relative to the ``vllm/`` package):
+
+- request validation, error bodies and length rules: ``protocol.py`` of this package;
+- responses: ``entrypoints/openai/{completion,chat_completion}/{protocol,serving}.py`` --
+  ``n`` choices (each its own ``index``, streamed chunk by chunk per index, usage counting
+  all), ``stop``/``stop_token_ids``/``include_stop_str_in_output`` with ``stop_reason``,
+  ``system_fingerprint``, SSE ending in ``data: [DONE]``, ``stream_options.include_usage``
+  and ``continuous_usage_stats``; ids are ``cmpl-``/``chatcmpl-`` + ``X-Request-Id`` (or
+  the body's ``request_id``) as vLLM's ``_base_request_id``;
+- ``GET /v1/models``: ``ModelList``/``ModelCard``/``ModelPermission``
+  (``entrypoints/serve/engine/protocol.py``); ``POST /tokenize`` returns
+  ``{count, max_model_len, tokens, token_strs}``;
+- ``GET /metrics``: ``vllm:*`` as ``v1/metrics/loggers.py`` exports them (``metrics.py``),
+  plus the simulator's own ``pd_sim_*`` counters;
+- scheduling and timing: ``engine.py`` (``v1/core/sched/scheduler.py``, chunked prefill
+  with ``max_num_batched_tokens``);
+- NIXL prefill answers carry the ``kv_transfer_params`` of ``NixlConnector``'s
+  ``request_finished`` (``distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``).
+
+Not modelled: sampling itself (output is a deterministic hash of the sequence; ``n``
+choices differ by a per-index seed, temperature/top_p/... are validated but change
+nothing), logprobs, echo, tools and reasoning parsers, structured outputs, beam search,
+``truncate_prompt_tokens``, prompt embeds, multimodal input, LoRA, the tokenizer's
+character-length pre-check, pydantic's exact wording for malformed chat ``messages``, KV
+cache capacity and preemption, prefix caching, and any 0.33 response-shape change other
+than the length rule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 import uuid
@@ -27,6 +52,9 @@ from aiohttp import web
 from pd_router.devstack import write_port_file
 from pd_router.lmcache_wire import encode_notif
 from pd_router.sim import model as M
+from pd_router.sim import protocol as P
+from pd_router.sim.engine import BLOCK_SIZE, Engine, Event, Run, Seq
+from pd_router.sim.metrics import VllmMetrics
 
 FAULTS = (
     "none",
@@ -40,6 +68,11 @@ FAULTS = (
     "tokenize_error",
     "hang_after_headers",
 )
+_MASK64 = (1 << 64) - 1
+# Llama-3.3-70B's KV cache per token (2 x 80 layers x 8 KV heads x 128 x 2 bytes), only to
+# give the simulated NIXL transfer a plausible size in vllm:nixl_bytes_transferred
+KV_BYTES_PER_TOKEN = 327680
+NUM_LAYERS = 80
 
 
 @dataclass
@@ -63,117 +96,71 @@ class SimConfig:
     slow_factor: float = 20.0
     fault: str = "none"
     engine_id: str = ""
+    vllm_version: str = "0.31"  # 0.31 | 0.33
+    # engine/arg_utils.py (0.31) get_batch_defaults: an OpenAI API server on a >= 70 GiB GPU
+    # that is not an A100 (H100/H200) defaults to 8192 batched tokens and 1024 sequences
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    num_gpu_blocks: int = 8192  # vLLM's --num-gpu-blocks-override; profiled on a real GPU
+
+
+def random_uuid() -> str:
+    # vllm/utils/__init__.py (0.31) random_uuid: 16 hex characters
+    return f"{uuid.uuid4().int & _MASK64:016x}"
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+def _error(exc: P.ApiError) -> web.Response:
+    return _json(exc.body(), exc.status)
 
 
 def _err(status: int, message: str, etype: str = "BadRequestError") -> web.Response:
-    body = {"object": "error", "message": message, "type": etype, "param": None, "code": status}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+    return _error(P.ApiError(status, message, etype))
 
 
-class BadRequest(Exception):
-    pass
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-class Seq:
-    __slots__ = (
-        "cancelled",
-        "done",
-        "gen",
-        "max_tokens",
-        "min_tokens",
-        "n_out",
-        "queue",
-        "scheduled",
-        "uncached",
-    )
-
-    def __init__(
-        self, gen: M.Generator, max_tokens: int, uncached: int, min_tokens: int = 0
-    ) -> None:
-        self.gen = gen
-        self.max_tokens = max_tokens
-        self.min_tokens = min_tokens
-        self.uncached = uncached
-        self.n_out = 0
-        self.done = False
-        self.cancelled = False
-        self.scheduled = False
-        self.queue: asyncio.Queue[int] = asyncio.Queue()
-
-    def emit(self) -> None:
-        tok = self.gen.step(self.n_out < self.min_tokens)
-        self.n_out += 1
-        if tok == M.EOS or self.n_out >= self.max_tokens:
-            self.done = True
-        self.queue.put_nowait(tok)
+def _drain(q: asyncio.Queue[Event]) -> list[Event]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
 
 
-class Engine:
-    """Step scheduler: one prefill per step (stalls every running decode), else a decode step
-    whose duration grows with the batch size."""
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
 
-    def __init__(self, cfg: SimConfig, state: dict[str, Any]) -> None:
-        self.cfg = cfg
-        self.state = state
-        self.prefill_q: deque[Seq] = deque()
-        self.running: list[Seq] = []
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
 
-    @property
-    def zero_delay(self) -> bool:
-        c = self.cfg
-        return (
-            c.prefill_ms_per_token == 0
-            and c.decode_step_ms == 0
-            and c.decode_step_ms_per_seq == 0
-            and self.state["fault"] != "slow"
-        )
+@dataclass
+class Ctx:
+    """What one generation request needs once validated."""
 
-    def _factor(self) -> float:
-        return self.cfg.slow_factor if self.state["fault"] == "slow" else 1.0
-
-    def submit(self, seq: Seq) -> None:
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._run())
-        self.prefill_q.append(seq)
-        self.wake.set()
-
-    async def _run(self) -> None:
-        c = self.cfg
-        while True:
-            if not self.prefill_q and not self.running:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            f = self._factor()
-            if self.prefill_q:
-                seq = self.prefill_q.popleft()
-                if seq.cancelled:
-                    continue
-                await asyncio.sleep(c.prefill_ms_per_token * max(seq.uncached, 1) * f / 1000)
-                seq.emit()
-                if not seq.done:
-                    self.running.append(seq)
-                continue
-            batch = len(self.running)
-            await asyncio.sleep((c.decode_step_ms + c.decode_step_ms_per_seq * batch) * f / 1000)
-            keep = []
-            for seq in self.running:
-                if seq.cancelled:
-                    continue
-                seq.emit()
-                if not seq.done:
-                    keep.append(seq)
-            self.running = keep
+    req: P.Request
+    rid: str
+    created: int
+    fingerprint: str
+    lmcache_spec: dict[str, Any] | None = None
+    nixl_prefill: bool = False
 
 
 class SimEngine:
     def __init__(self, cfg: SimConfig) -> None:
+        if cfg.vllm_version not in P.VERSIONS:
+            raise ValueError(f"vllm_version must be one of {P.VERSIONS}")
         self.cfg = cfg
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.state: dict[str, Any] = {"fault": cfg.fault, "fault_count": -1}
-        self.engine = Engine(cfg, self.state)
+        self.vm = VllmMetrics(cfg.model, cfg.max_model_len, cfg.kv_connector, cfg.vllm_version)
+        self.engine = Engine(cfg, self.state, self.vm)
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)
         self.kv_store: OrderedDict[int, int] = OrderedDict()  # prefix hash -> n tokens
         self.handshaken: set[tuple[str, int]] = set()
@@ -182,9 +169,6 @@ class SimEngine:
         self.bg: set[asyncio.Task[Any]] = set()
         self.servers: list[asyncio.AbstractServer] = []
         self.m: dict[str, float] = {
-            "prompt_tokens": 0,
-            "generation_tokens": 0,
-            "success": 0,
             "kv_hits": 0,
             "kv_misses": 0,
             "kv_remote_prefill": 0,
@@ -193,8 +177,21 @@ class SimEngine:
             "aborted": 0,
             "hanging": 0,
         }
-        self.running_reqs = 0
+        self.live: set[Run] = set()
         self.release = asyncio.Event()
+        self.created = int(time.time())
+        self.fingerprint = self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        """entrypoints/serve/utils/fingerprint.py (0.31), default ``full`` mode:
+        ``vllm-<version>[-tp<N>]-<hash8>``, the hash standing in for vLLM's config hash."""
+        c = self.cfg
+        parts = [f"vllm-{P.FULL_VERSION[c.vllm_version]}"]
+        if c.tp > 1:
+            parts.append(f"tp{c.tp}")
+        key = f"{c.model}|{c.max_model_len}|{c.kv_connector}|{c.max_num_batched_tokens}"
+        parts.append(hashlib.sha256(key.encode()).hexdigest()[:8])
+        return "-".join(parts)
 
     # ------------------------------------------------------------------ faults
     def _fault(self) -> str:
@@ -222,28 +219,47 @@ class SimEngine:
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        data = {
-            "object": "list",
-            "data": [
+        # entrypoints/openai/models/serving.py (0.31) show_available_models: one card per
+        # base model, ``root`` its path, one default ModelPermission
+        # (entrypoints/serve/engine/protocol.py ModelCard / ModelPermission)
+        now = int(time.time())
+        card = {
+            "id": self.cfg.model,
+            "object": "model",
+            "created": now,
+            "owned_by": "vllm",
+            "root": self.cfg.model,
+            "parent": None,
+            "max_model_len": self.cfg.max_model_len,
+            "permission": [
                 {
-                    "id": self.cfg.model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "vllm",
-                    "root": self.cfg.model,
-                    "max_model_len": self.cfg.max_model_len,
+                    "id": f"modelperm-{random_uuid()}",
+                    "object": "model_permission",
+                    "created": now,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
                 }
             ],
         }
-        return web.json_response(data)
+        return _json({"object": "list", "data": [card]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         if self.state["fault"] == "tokenize_error":
             return _err(500, "simulated tokenizer failure", "InternalServerError")
         try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise BadRequest("body must be a JSON object")
+            # serve/tokenize/api_router.py (0.31): the same JSON checks as generation
+            raw = await request.read()
+            body = P.require_object(P.decode_body(raw, request.headers.get("Content-Type", "")))
+            mdl = body.get("model")
+            if isinstance(mdl, str) and mdl and mdl != self.cfg.model:
+                raise P.not_found_model(mdl)  # serve/tokenize/serving.py: _check_model
             if "messages" in body:
                 toks = M.apply_chat_template(
                     body["messages"], bool(body.get("add_generation_prompt", True))
@@ -251,8 +267,10 @@ class SimEngine:
             elif isinstance(body.get("prompt"), str):
                 toks = M.tokenize_text(body["prompt"], bool(body.get("add_special_tokens", True)))
             else:
-                raise BadRequest("either 'prompt' (string) or 'messages' is required")
-        except (orjson.JSONDecodeError, BadRequest, ValueError) as exc:
+                raise P.ApiError(400, "either 'prompt' (string) or 'messages' is required")
+        except P.ApiError as exc:
+            return _error(exc)
+        except ValueError as exc:
             return _err(400, str(exc))
         out = {
             "count": len(toks),
@@ -260,7 +278,7 @@ class SimEngine:
             "tokens": toks,
             "token_strs": None,
         }
-        return web.Response(body=orjson.dumps(out), content_type="application/json")
+        return _json(out)
 
     async def sim_fault(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -284,25 +302,23 @@ class SimEngine:
             self.requests.clear()
         return web.json_response(out)
 
+    def _live_seqs(self) -> list[Seq]:
+        if self.engine.zero_delay:
+            # everything is instantaneous here: a sequence runs while its answer is sent
+            return [s for r in self.live for s in r.seqs if not s.cancelled]
+        return self.engine.running
+
     async def metrics(self, request: web.Request) -> web.Response:
-        name = self.cfg.model
-        lab = f'{{model_name="{name}",engine="0"}}'
-        running = self.running_reqs if self.engine.zero_delay else len(self.engine.running)
-        waiting = len(self.engine.prefill_q)
+        vm = self.vm
+        live = self._live_seqs()
+        vm.running.set(len(live))
+        waiting = self.engine.num_waiting()
+        vm.waiting.set(waiting)
+        vm.waiting_capacity.set(waiting)
+        blocks = sum(s.kv_blocks for s in live)
+        vm.kv_usage.set(min(1.0, blocks / max(1, self.cfg.num_gpu_blocks)))
         m = self.m
         lines = [
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{lab} {running}",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{lab} {waiting}",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{lab} {min(1.0, len(self.kv_store) / 4096):.4f}",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{lab} {m['prompt_tokens']}",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{lab} {m['generation_tokens']}",
-            "# TYPE vllm:request_success_total counter",
-            f"vllm:request_success_total{lab} {m['success']}",
             "# TYPE pd_sim_kv_hits_total counter",
             f"pd_sim_kv_hits_total {m['kv_hits']}",
             "# TYPE pd_sim_kv_misses_total counter",
@@ -318,7 +334,8 @@ class SimEngine:
             "# TYPE pd_sim_requests_hanging gauge",
             f"pd_sim_requests_hanging {m['hanging']}",
         ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        text = vm.render() + ("\n".join(lines) + "\n").encode()
+        return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -334,67 +351,6 @@ class SimEngine:
             raise
 
     # ------------------------------------------------------------------ generation
-    def _parse(self, body: Any, chat: bool) -> tuple[list[int], int, bool, bool, int]:
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        mdl = body.get("model")
-        if mdl is not None and mdl != self.cfg.model:
-            raise LookupError(f"The model `{mdl}` does not exist.")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("'stream' must be a boolean")
-        if chat:
-            prompt = M.apply_chat_template(body.get("messages"))
-        else:
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-                p = p[0]
-            if isinstance(p, str):
-                prompt = M.tokenize_text(p)
-            elif (
-                isinstance(p, list)
-                and p
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
-            ):
-                prompt = list(p)
-            else:
-                raise BadRequest("'prompt' must be a string or a non-empty list of token ids")
-        mt = body.get("max_completion_tokens") if chat else None
-        if mt is None:
-            mt = body.get("max_tokens")
-        if mt is None:
-            # vLLM v0.11 defaults: CompletionRequest.max_tokens = 16; chat = what fits in the
-            # context (get_max_tokens, no generation_config limit modelled here)
-            mt = 16 if not chat else max(1, self.cfg.max_model_len - len(prompt))
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-            raise BadRequest("max_tokens must be at least 1")
-        min_tokens = body.get("min_tokens", 0)
-        if min_tokens is None:
-            min_tokens = 0
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
-            raise BadRequest(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
-        if min_tokens > mt:  # vLLM SamplingParams._verify_args
-            raise BadRequest(
-                f"min_tokens must be less than or equal to max_tokens={mt}, got {min_tokens}."
-            )
-        n = body.get("n", 1)
-        if n != 1:
-            raise BadRequest("the simulated engine supports only n=1")
-        temp = body.get("temperature")
-        if temp is not None and (not isinstance(temp, int | float) or temp < 0):
-            raise BadRequest("temperature must be a non-negative number")
-        if len(prompt) + mt > self.cfg.max_model_len:
-            raise BadRequest(
-                f"This model's maximum context length is {self.cfg.max_model_len} tokens. "
-                f"However, you requested {len(prompt) + mt} tokens "
-                f"({len(prompt)} in the messages, {mt} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise BadRequest("ignore_eos must be a boolean")
-        return prompt, mt, stream, ignore_eos, min_tokens
-
     async def _generate_one(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         fault = self._fault()
@@ -405,13 +361,12 @@ class SimEngine:
             if fault == "bad_request":
                 return _err(400, "simulated bad request")
             await self._hang()
+        c = self.cfg
         try:
-            body = orjson.loads(raw)
-            prompt, max_tokens, stream, ignore_eos, min_tokens = self._parse(body, chat)
-        except LookupError as exc:
-            return _err(404, str(exc.args[0]), "NotFoundError")
-        except (orjson.JSONDecodeError, BadRequest, ValueError, TypeError) as exc:
-            return _err(400, str(exc))
+            body = P.decode_body(raw, request.headers.get("Content-Type", ""))
+            req = P.parse(body, chat, c.model, c.max_model_len, c.vllm_version)
+        except P.ApiError as exc:
+            return _error(exc)
         self.requests.append(
             {
                 "path": request.path,
@@ -420,227 +375,336 @@ class SimEngine:
                 "body": body,
             }
         )
-        kv = body.get("kv_transfer_params")
-        kv_out: dict[str, Any] | None = None
-        uncached = len(prompt)
-        lmcache_spec: dict[str, Any] | None = None
-        if isinstance(kv, dict):
-            if kv.get("do_remote_decode"):
-                # NIXL prefill leg: compute the prompt, keep the blocks for the decoder.
-                max_tokens = 1
-                rid = f"cmpl-{uuid.uuid4().hex}"
-                kv_out = {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_block_ids": list(range((len(prompt) + 15) // 16)),
-                    "remote_engine_id": self.engine_id,
-                    "remote_request_id": rid,
-                    "remote_host": self.cfg.host,
-                    "remote_port": 5600,
-                    "tp_size": self.cfg.tp,
-                }
-            elif kv.get("do_remote_prefill"):
-                if kv.get("remote_block_ids") and kv.get("remote_engine_id"):
-                    uncached = 1
-                    self.m["kv_remote_prefill"] += 1
-            elif "disagg_spec" in kv and self.cfg.kv_connector == "lmcache":
-                lmcache_spec = kv["disagg_spec"] if isinstance(kv["disagg_spec"], dict) else None
-                max_tokens = 1
-        if self.cfg.kv_connector == "lmcache" and self.cfg.lmcache_role == "receiver":
-            key = M.seq_hash(prompt[:-1])
-            if key in self.kv_store:
-                uncached = 1
-                self.m["kv_hits"] += 1
-            else:
-                self.m["kv_misses"] += 1
         if fault == "slow":
             self._consume_fault()
-        self.m["prompt_tokens"] += len(prompt)
-        seq = Seq(M.Generator(prompt, ignore_eos), max_tokens, uncached, min_tokens)
-        created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.running_reqs += 1
+        # serve/engine/serving.py _base_request_id: the X-Request-Id header, else the body's
+        # request_id, else a random id
+        base = request.headers.get("X-Request-Id") or req.request_id or random_uuid()
+        ctx = Ctx(
+            req, ("chatcmpl-" if chat else "cmpl-") + base, int(time.time()), self.fingerprint
+        )
+        if any(not p for p in req.prompts):
+            # v1/engine/input_processor.py _validate_prompt_len: raised once generation
+            # starts, so inside the stream when streaming (create_streaming_error_response)
+            err = P.vllm_error("The decoder prompt cannot be empty")
+            if not req.stream:
+                return _error(err)
+            return await self._stream_error(request, err)
+        run = self._start(ctx)
+        self.live.add(run)
         try:
-            if not stream:
-                toks = await self._collect(seq)
-                if lmcache_spec is not None:
-                    kv_out = {"first_tok": toks[0]}
-                    self._spawn(self._lmcache_send(lmcache_spec, prompt, toks[0]))
-                resp = self._full_response(chat, rid, created, prompt, toks, max_tokens, kv_out)
-                self.m["success"] += 1
-                return web.Response(body=orjson.dumps(resp), content_type="application/json")
-            return await self._stream(request, chat, rid, created, prompt, seq, body)
+            if not req.stream:
+                return await self._full(ctx, run)
+            return await self._stream(request, ctx, run)
         finally:
-            self.running_reqs -= 1
-            seq.cancelled = True
+            self.live.discard(run)
+            run.cancel()
 
-    def _spawn(self, coro: Any) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self.bg.add(t)
-        t.add_done_callback(self.bg.discard)
+    def _start(self, ctx: Ctx) -> Run:
+        """The request's sequences, with what its ``kv_transfer_params`` ask of this engine."""
+        req = ctx.req
+        c = self.cfg
+        kv = req.kv_transfer_params
+        run = Run(self.vm, req.n)
+        for pi, prompt in enumerate(req.prompts):
+            max_tokens = req.max_tokens[pi]
+            uncached = len(prompt)
+            if isinstance(kv, dict) and c.kv_connector == "nixl":
+                if kv.get("do_remote_decode"):
+                    # NIXL prefill leg: generates as asked (the router asks for 1 token),
+                    # then keeps the blocks for the decoder; what goes back is built once
+                    # the sequence finished (pull_scheduler.py request_finished)
+                    ctx.nixl_prefill = True
+                elif (
+                    kv.get("do_remote_prefill")
+                    and kv.get("remote_block_ids")
+                    and kv.get("remote_engine_id")
+                ):
+                    uncached = 1
+                    self.m["kv_remote_prefill"] += 1
+                    self._nixl_transfer(run, len(prompt))
+            elif isinstance(kv, dict) and "disagg_spec" in kv and c.kv_connector == "lmcache":
+                spec = kv["disagg_spec"]
+                ctx.lmcache_spec = spec if isinstance(spec, dict) else None
+                max_tokens = 1
+            if c.kv_connector == "lmcache" and c.lmcache_role == "receiver":
+                key = M.seq_hash(prompt[:-1])
+                if key in self.kv_store:
+                    uncached = 1
+                    self.m["kv_hits"] += 1
+                    self.vm.ext_hits.inc(len(prompt) - 1)
+                else:
+                    self.m["kv_misses"] += 1
+                self.vm.ext_queries.inc(len(prompt))
+            for j in range(req.n):
+                Seq(
+                    run,
+                    pi * req.n + j,
+                    pi,
+                    prompt,
+                    max_tokens,
+                    c.max_model_len,
+                    uncached,
+                    min_tokens=req.min_tokens,
+                    ignore_eos=req.ignore_eos,
+                    stop=req.stop,
+                    stop_token_ids=req.stop_token_ids,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    choice=j,
+                )
+        return run
 
-    async def _next_tokens(self, seq: Seq) -> list[int]:
-        """Next batch of tokens (zero-delay engines produce everything at once)."""
-        if not seq.scheduled and self.engine.zero_delay and self.state["fault"] != "stall":
-            out = []
-            while not seq.done:
-                seq.emit()
-                out.append(seq.queue.get_nowait())
-            return out
-        if not seq.scheduled:
-            seq.scheduled = True
-            self.engine.submit(seq)
-        return [await seq.queue.get()]
+    def _nixl_params(self, ctx: Ctx, seq: Seq) -> dict[str, Any]:
+        """kv_connector/v1/nixl/pull_scheduler.py request_finished on the prefiller (0.31):
+        block ids per KV-cache group (one group here) for the tokens computed (the prompt
+        and all sampled tokens but the last), this engine's side channel
+        (``VLLM_NIXL_SIDE_CHANNEL_PORT`` 5600, envs.py)."""
+        computed = seq.prompt_len + seq.n_out - 1
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(range((computed + BLOCK_SIZE - 1) // BLOCK_SIZE))],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": ctx.rid,
+            "remote_host": self.cfg.host,
+            "remote_port": 5600,
+            "tp_size": self.cfg.tp,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": computed,
+            "remote_blocks_expiry_time": None,
+        }
+        if self.cfg.vllm_version == "0.33":
+            out["remote_registration_generation"] = 0
+        out["transfer_mode"] = "pull"
+        return out
 
-    async def _collect(self, seq: Seq) -> list[int]:
-        toks: list[int] = []
-        while True:
-            toks.extend(await self._next_tokens(seq))
-            if seq.done and seq.queue.empty():
-                return toks
+    def _nixl_transfer(self, run: Run, n_tokens: int) -> None:
+        """The decoder pulls the prompt's KV before its first step: ``--transfer-ms`` of
+        waiting, one transfer in the NIXL metrics."""
+        c = self.cfg
+        run.kv_wait = c.transfer_ms / 1000
+        x = self.vm.nixl
+        if x:
+            blocks = (n_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
+            x["xfer_time"].observe(c.transfer_ms / 1000)
+            x["post_time"].observe(0.0)
+            x["bytes"].observe(n_tokens * KV_BYTES_PER_TOKEN // max(1, c.tp))
+            x["descriptors"].observe(blocks * NUM_LAYERS)
+        self.vm.ext_queries.inc(n_tokens)
+        self.vm.ext_hits.inc(n_tokens - 1)
 
-    def _finish(self, toks: list[int], max_tokens: int) -> str:
-        return "stop" if toks and toks[-1] == M.EOS else "length"
+    async def _next_events(self, run: Run) -> list[Event]:
+        """The next events of a request: all of them at once on a zero-delay engine (each
+        round of its sequences standing for one engine step), else the next step's."""
+        if run.kv_wait:
+            wait, run.kv_wait = run.kv_wait, 0.0
+            await asyncio.sleep(wait)
+        if not run.scheduled and self.engine.zero_delay and self.state["fault"] != "stall":
+            run.scheduled = run.direct = True
+            events: list[Event] = []
+            live = list(run.seqs)
+            step_tokens = sum(s.prefill_left for s in live)  # the first step prefills
+            while live:
+                now = time.monotonic()
+                for s in live:
+                    events.append(s.emit(now))
+                self.vm.iteration.observe(step_tokens + len(live))
+                step_tokens = 0
+                if any(s.done for s in live):
+                    live = [s for s in live if not s.done]
+            return events
+        if not run.scheduled:
+            run.scheduled = True
+            self.engine.submit(list(run.seqs))
+        if not run.seqs:
+            return []
+        return [await run.queue.get(), *_drain(run.queue)]
 
-    def _full_response(
-        self,
-        chat: bool,
-        rid: str,
-        created: int,
-        prompt: list[int],
-        toks: list[int],
-        max_tokens: int,
-        kv_out: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        text = "".join(M.token_text(t) for t in toks)
-        finish = self._finish(toks, max_tokens)
-        self.m["generation_tokens"] += len(toks)
+    async def _collect(self, run: Run) -> None:
+        while not (run.done and run.queue.empty()):
+            await self._next_events(run)
+
+    async def _full(self, ctx: Ctx, run: Run) -> web.Response:
+        await self._collect(run)
+        req = ctx.req
+        kv_out = None
+        if ctx.nixl_prefill and run.seqs:
+            kv_out = self._nixl_params(ctx, run.seqs[0])
+        if ctx.lmcache_spec is not None and run.seqs:
+            first = run.seqs[0].tokens[0]
+            kv_out = {"first_tok": first}
+            self._spawn(self._lmcache_send(ctx.lmcache_spec, req.prompts[0], first))
+        return _json(self._full_response(ctx, run, kv_out))
+
+    def _full_response(self, ctx: Ctx, run: Run, kv_out: dict[str, Any] | None) -> dict[str, Any]:
+        """completion/serving.py request_output_to_completion_response and
+        chat_completion/serving.py chat_completion_full_generator (0.31), as model_dump()
+        writes CompletionResponse / ChatCompletionResponse."""
+        req = ctx.req
+        v33 = self.cfg.vllm_version == "0.33"
+        choices = []
+        for s in run.seqs:
+            choice: dict[str, Any] = {"index": s.index}
+            if req.chat:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": s.text.text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                }
+            else:
+                choice["text"] = s.text.text
+            choice.update(
+                logprobs=None,
+                finish_reason=s.finish,
+                stop_reason=s.stop_reason,
+                token_ids=None,
+            )
+            if not req.chat:
+                choice.update(prompt_logprobs=None, prompt_token_ids=None)
+            choice["routed_experts"] = None
+            if v33:
+                choice["weight_versions"] = None
+            choices.append(choice)
+        # chat counts its one prompt once; completions each prompt once (not per choice)
+        n_prompt = sum(len(p) for p in req.prompts)
+        n_gen = sum(s.n_out for s in run.seqs)
         usage = {
-            "prompt_tokens": len(prompt),
-            "total_tokens": len(prompt) + len(toks),
-            "completion_tokens": len(toks),
+            "prompt_tokens": n_prompt,
+            "total_tokens": n_prompt + n_gen,
+            "completion_tokens": n_gen,
             "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         }
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-            obj = "text_completion"
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
+        out: dict[str, Any] = {
+            "id": ctx.rid,
+            "object": "chat.completion" if req.chat else "text_completion",
+            "created": ctx.created,
             "model": self.cfg.model,
-            "choices": [choice],
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": ctx.fingerprint,
             "usage": usage,
-            "kv_transfer_params": kv_out,
         }
+        if req.chat:
+            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        out.update(kv_transfer_params=kv_out, ec_transfer_params=None, metrics=None)
+        return out
 
-    async def _stream(
-        self,
-        request: web.Request,
-        chat: bool,
-        rid: str,
-        created: int,
-        prompt: list[int],
-        seq: Seq,
-        body: dict[str, Any],
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, ctx: Ctx, run: Run) -> web.StreamResponse:
+        """completion/serving.py completion_stream_generator and chat_completion/serving.py
+        chat_completion_stream_generator (0.31): one chunk per choice per engine output, as
+        ``model_dump_json(exclude_unset=True)`` writes them; the chat role chunks of all
+        choices come with the first output; a last usage chunk with
+        ``stream_options.include_usage``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)  # headers go out at once, like vLLM
         if self._fault() == "hang_after_headers":
             self._consume_fault()
             await self._hang()
-        model = self.cfg.model
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        so = body.get("stream_options")
-        include_usage = isinstance(so, dict) and bool(so.get("include_usage"))
-        role_chunk = b""
-        if chat:
-            # vLLM v0.11 sends the role chunk with the first output, i.e. after the prefill
-            first = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
+        req = ctx.req
+        chat = req.chat
+        head = {
+            "id": ctx.rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": ctx.created,
+            "model": self.cfg.model,
+        }
+        n_prompt = [len(p) for p in req.prompts]
+        n_tok = [0] * len(run.seqs)
+        seq_prompt = [s.prompt_index for s in run.seqs]
+        first = True
+        while run.seqs:
+            events = await self._next_events(run)
+            buf: list[bytes] = []
+            if first and chat:
+                for i in range(len(run.seqs)):
+                    role: dict[str, Any] = {
+                        **head,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
                     }
-                ],
-            }
-            role_chunk = b"data: " + orjson.dumps(first) + b"\n\n"
-        n = 0
-        while True:
-            toks = await self._next_tokens(seq)
-            buf = [role_chunk] if role_chunk else []
-            role_chunk = b""
-            for i, tok in enumerate(toks):
-                n += 1
-                last = seq.done and seq.queue.empty() and i == len(toks) - 1
-                finish = ("stop" if tok == M.EOS else "length") if last else None
-                text = M.token_text(tok)
+                    if req.continuous_usage:
+                        role["usage"] = {
+                            **_usage(n_prompt[0], 0),
+                            "completion_tokens_details": None,
+                        }
+                    role.update(prompt_token_ids=None, prompt_text=None)
+                    buf.append(_sse(role))
+            first = False
+            for ev in events:
+                n_tok[ev.index] += 1
                 if chat:
                     choice: dict[str, Any] = {
-                        "index": 0,
-                        "delta": {"content": text},
+                        "index": ev.index,
+                        "delta": {"content": ev.text},
                         "logprobs": None,
-                        "finish_reason": finish,
+                        "finish_reason": ev.finish,
                     }
+                    if ev.finish is not None:
+                        choice["stop_reason"] = ev.stop_reason
+                    choice["token_ids"] = None
                 else:
                     choice = {
-                        "index": 0,
-                        "text": text,
+                        "index": ev.index,
+                        "text": ev.text,
                         "logprobs": None,
-                        "finish_reason": finish,
-                        "stop_reason": None,
+                        "finish_reason": ev.finish,
+                        "stop_reason": ev.stop_reason,
+                        "prompt_token_ids": None,
+                        "token_ids": None,
                     }
-                chunk = {"id": rid, "object": obj, "created": created, "model": model}
-                chunk["choices"] = [choice]
-                buf.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                chunk: dict[str, Any] = {**head, "choices": [choice]}
+                if ev.finish is not None and not req.include_usage:
+                    chunk["system_fingerprint"] = ctx.fingerprint
+                if req.continuous_usage:
+                    # chat sets completion_tokens_details explicitly (to None), completions not
+                    usage = _usage(n_prompt[seq_prompt[ev.index]], n_tok[ev.index])
+                    if chat:
+                        usage["completion_tokens_details"] = None
+                    chunk["usage"] = usage
+                buf.append(_sse(chunk))
             await resp.write(b"".join(buf))
             if self.state["fault"] == "stall":
                 # hold the stream after the first tokens until POST /sim/release
                 await self.release.wait()
-            if seq.done and seq.queue.empty():
+            if run.done and run.queue.empty():
                 break
-        self.m["generation_tokens"] += n
         tail = b""
-        if include_usage:
+        if req.include_usage:
+            total_prompt = n_prompt[0] if chat else sum(n_prompt)
             usage_chunk = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
+                **head,
                 "choices": [],
-                "usage": {
-                    "prompt_tokens": len(prompt),
-                    "total_tokens": len(prompt) + n,
-                    "completion_tokens": n,
-                },
+                "usage": _usage(total_prompt, sum(n_tok)),
+                "system_fingerprint": ctx.fingerprint,
             }
-            tail = b"data: " + orjson.dumps(usage_chunk) + b"\n\n"
+            tail = _sse(usage_chunk)
         await resp.write(tail + b"data: [DONE]\n\n")
-        self.m["success"] += 1
         await resp.write_eof()
         return resp
+
+    async def _stream_error(self, request: web.Request, err: P.ApiError) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write(_sse(err.body()) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self.bg.add(t)
+        t.add_done_callback(self.bg.discard)
 
     # ------------------------------------------------------------------ LMCache roles
     async def _lmcache_send(self, spec: dict[str, Any], prompt: list[int], first: int) -> None:
