@@ -97,12 +97,12 @@ def test_nixl_stages_kv_in_host_memory_when_asked(h4: Path) -> None:
     "files,sets,want",
     [
         ((), (), "DS"),  # the default model, Qwen3.5-9B, is hybrid (Gated DeltaNet)
-        ((), ("model.name=meta-llama/Llama-3.1-8B-Instruct",), None),
-        ((), ("model.name=/models/my-ssm", "model.attention=hybrid"), "DS"),
+        ((), ("model.name=/models/in-house-ssm",), "DS"),  # a hybrid the chart cannot recognise
+        ((), ("model.name=meta-llama/Llama-3.1-8B-Instruct",), "DS"),  # harmless without Mamba layers
         ((LMCACHE,), (), None),  # LMCache serves only full-attention models
     ],
 )
-def test_hybrid_models_on_nixl_get_the_conv_state_layout_nixl_needs(
+def test_every_nixl_engine_gets_the_conv_state_layout_hybrid_models_need(
     h4: Path, files: tuple[str, ...], sets: tuple[str, ...], want: str | None
 ) -> None:
     docs = helm.render(h4, files, sets)
@@ -221,8 +221,20 @@ HYBRID_NAMES = [
     "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
     "state-spaces/mamba-2.8b-hf",
     "/models/qwen3.5-9b",  # a local path says it too
+    "Qwen/Qwen3.6-35B-A3B",
+    "ibm-granite/granite-4.0-tiny-preview",
+    "inclusionAI/Ling-3.0-flash",
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B",
+    "openbmb/MiniCPM-V-4_6",
 ]
-FULL_NAMES = ["meta-llama/Llama-3.3-70B-Instruct", "Qwen/Qwen3-32B", "mistralai/Mistral-Small-3.2-24B-Instruct-2506"]
+FULL_NAMES = [
+    "meta-llama/Llama-3.3-70B-Instruct",
+    "Qwen/Qwen3-32B",
+    "mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+    "nvidia/nemotron-3-8b-base-4k",  # a 2023 full-attention model, not Nemotron 3
+    "/models/mamba-team/llama-3-8b",  # only the last path segment names the model
+    "google/gemma-3-27b-it",  # sliding-window + full attention: full for the chart
+]
 
 
 @pytest.mark.parametrize("name", HYBRID_NAMES)

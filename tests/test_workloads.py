@@ -311,8 +311,11 @@ def test_preflight_runs_before_vllm_and_execs_it(h4: Path) -> None:
         assert set(c["command"][2:cut]) == {
             "--connector=nixl",
             "--backend=LIBFABRIC",
+            "--buffer-device=cpu",
+            "--buffer-field=kvTransfer.nixl.bufferDevice",
             "--efa-devices=1",
             "--checked-vllm=0.31.0,0.33.0",
+            "--timeout-seconds=120",
         }
         mount = next(m for m in c["volumeMounts"] if m["name"] == "preflight")
         assert mount == {"name": "preflight", "mountPath": "/etc/pd-inference", "readOnly": True}

@@ -10,15 +10,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests import helm
-from tests.cases import LAYERINGS, LMCACHE, model_name
+from tests.cases import LAYERINGS, LMCACHE
 
-# Every layering switched to LMCache where its model is not hybrid (LMCache cannot serve Qwen3.5),
-# plus the LMCache shapes no environment uses yet: TP 4, the notification sidecar, extraConfig.
 FORCE_LMCACHE = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false")
+
+
+@functools.cache
+def chart_says_hybrid(files: tuple[str, ...], sets: tuple[str, ...] = ()) -> bool:
+    """The chart's own judgement: it refuses this layering on LMCache because the model is hybrid."""
+    result = helm.template(helm.helm_binaries()[0], files, sets + FORCE_LMCACHE)
+    return result.returncode != 0 and "kvTransfer.connector: lmcache cannot serve" in result.stderr
+
+
+# Every layering switched to LMCache where the chart accepts that (not for a hybrid model), plus
+# the LMCache shapes no environment uses yet: TP 4, the notification sidecar, extraConfig.
 LMCACHE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    f"{name} (lmcache)": (files, FORCE_LMCACHE)
-    for name, files in LAYERINGS.items()
-    if "qwen3.5" not in model_name(files).lower()
+    f"{name} (lmcache)": (files, FORCE_LMCACHE) for name, files in LAYERINGS.items() if not chart_says_hybrid(files)
 }
 LMCACHE_RENDERS["scenario:lmcache tp4"] = ((LMCACHE,), ("prefill.tensorParallelSize=4", "decode.tensorParallelSize=4"))
 LMCACHE_RENDERS["scenario:lmcache sidecar"] = ((LMCACHE,), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
@@ -43,6 +50,7 @@ class Engine:
 
     render: str
     role: str
+    hybrid: bool  # the chart refuses this render's values on LMCache: a hybrid model
     command: list[str]  # what the container runs after the preflight: ["vllm", "serve"]
     args: list[str]
     env: dict[str, str]  # literal env values (valueFrom entries left out)
@@ -72,6 +80,7 @@ def engines(render: str) -> tuple[Engine, ...]:
             Engine(
                 render=render,
                 role=role,
+                hybrid=chart_says_hybrid(files, sets),
                 command=command,
                 args=list(c["args"]),
                 env={e["name"]: e["value"] for e in c.get("env", []) if "value" in e},

@@ -1,9 +1,10 @@
-"""The engine preflight (charts/pd-inference/files/preflight.py) with the real NIXL 1.5.1 and
-LMCache 0.5.6 of the engine stack, run with the arguments the chart renders. A stand-in engine
-(a Python one-liner) replaces `vllm serve`, so a passing preflight is seen to exec it."""
+"""The engine preflight (charts/pd-inference/files/preflight.py) with the real NIXL and LMCache of
+the engine stack, run with the arguments the chart renders. A stand-in engine (the interpreter
+running a one-liner) replaces `vllm serve`, so a passing preflight is seen to exec it."""
 
 from __future__ import annotations
 
+import ctypes.util
 import subprocess
 from pathlib import Path
 
@@ -19,10 +20,12 @@ pytestmark = pytest.mark.xdist_group("engine-preflight")
 
 ENGINE = "ENGINE STARTED"
 PREFIX = "pd-inference preflight: "
+VLLM = stack.VLLM_VERSIONS[0]  # the version the engine image carries
+NIXL, LMCACHE_VERSION = stack.checked("nixl")[0], stack.checked("lmcache")[0]
 
 
 def rendered_command(files: tuple[str, ...] = (), sets: tuple[str, ...] = (), role: str = "decode") -> list[str]:
-    """The preflight part of the rendered engine command, pointed at this checkout's file."""
+    """The preflight's own arguments as the chart renders them (before `-- vllm serve`)."""
     docs = helm.render(helm.helm_binaries()[0], files, sets)
     command = helm.one(docs, "StatefulSet", f"-{role}")["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[1] == "/etc/pd-inference/preflight.py" and command[-3:] == ["--", "vllm", "serve"]
@@ -37,15 +40,32 @@ def lmcache_yaml(role: str = "decode", **changes: object) -> str:
 
 
 def preflight(
-    args: list[str], tmp_path: Path, config: str | None = None, python: Path | None = None, vllm: str | None = "0.31.0"
+    args: list[str],
+    tmp_path: Path,
+    config: str | None = None,
+    python: Path | None = None,
+    vllm: str | None = VLLM,
+    shim: dict[str, str] | None = None,
+    engine: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """`shim`: modules (dotted name -> source) put ahead of the real ones, as a broken image would have them."""
     env = stack.env(vllm)
     if config is not None:
         (tmp_path / "lmcache.yaml").write_text(config)
         env["LMCACHE_CONFIG_FILE"] = str(tmp_path / "lmcache.yaml")
+    if shim:
+        for name, source in shim.items():
+            path = tmp_path / "shim" / Path(*name.split(".")).with_suffix(".py")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(source)
+            for parent in path.parents:
+                if parent == tmp_path / "shim":
+                    break
+                (parent / "__init__.py").touch()
+        env["PYTHONPATH"] = ":".join(p for p in (str(tmp_path / "shim"), env.get("PYTHONPATH", "")) if p)
     exe = str(python or stack.python())
     return subprocess.run(
-        [exe, str(stack.PREFLIGHT), *args, "--", exe, "-c", f"print({ENGINE!r})"],
+        [exe, str(stack.PREFLIGHT), *args, "--", *(engine or [exe, "-c", f"print({ENGINE!r})"])],
         capture_output=True,
         text=True,
         timeout=300,
@@ -65,13 +85,16 @@ def failure_line(proc: subprocess.CompletedProcess[str]) -> str:
 
 def test_ucx_passes_and_execs_the_engine(tmp_path: Path) -> None:
     args = rendered_command()  # chart defaults: NixlConnector over UCX, no EFA
-    assert "--backend=UCX" in args and "--connector=nixl" in args
+    assert {"--backend=UCX", "--connector=nixl", "--buffer-device=cuda"} <= set(args)
     proc = preflight(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ENGINE  # exec'd: the engine's output is all that follows
-    assert proc.stderr.strip() == f"{PREFIX}ok (connector=nixl, backend=UCX, nixl 1.5.1, vllm 0.31.0)"
+    assert proc.stderr.strip() == f"{PREFIX}ok (connector=nixl, backend=UCX, nixl {NIXL}, vllm {VLLM})"
 
 
+@pytest.mark.skipif(
+    ctypes.util.find_library("fabric") is not None, reason="this machine has libfabric: the LIBFABRIC plugin may load"
+)
 def test_libfabric_without_libfabric_names_the_value_and_the_missing_library(tmp_path: Path) -> None:
     args = rendered_command(sets=("kvTransfer.backend=LIBFABRIC",))
     line = failure_line(preflight(args, tmp_path))
@@ -83,23 +106,25 @@ def test_libfabric_without_libfabric_names_the_value_and_the_missing_library(tmp
 
 def test_efa_on_without_efa_devices(tmp_path: Path) -> None:
     args = rendered_command(("values/profiles/qwen3.5-9b-g6.yaml",))
-    assert "--efa-devices=1" in args and "--backend=LIBFABRIC" in args
+    assert {"--efa-devices=1", "--backend=LIBFABRIC", "--buffer-device=cpu"} <= set(args)
     line = failure_line(preflight(args, tmp_path))
     assert line.startswith("efa.enabled is true, but no EFA device is visible in the pod")
 
 
 def test_lmcache_passes_with_the_rendered_config(tmp_path: Path) -> None:
     for role in ("prefill", "decode"):
-        proc = preflight(rendered_command((LMCACHE,), role=role), tmp_path, lmcache_yaml(role))
+        args = rendered_command((LMCACHE,), role=role)
+        assert "--buffer-field=kvTransfer.lmcache.bufferDevice" in args
+        proc = preflight(args, tmp_path, lmcache_yaml(role))
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == ENGINE
-        assert "connector=lmcache" in proc.stderr and "lmcache 0.5.6" in proc.stderr
+        assert "connector=lmcache" in proc.stderr and f"lmcache {LMCACHE_VERSION}" in proc.stderr
 
 
 @pytest.mark.parametrize(
     "changes,expected",
     [
-        ({"enable_nixl": True}, "kvTransfer.lmcache.extraConfig: LMCache 0.5.6 does not know enable_nixl"),
+        ({"enable_nixl": True}, f"kvTransfer.lmcache.extraConfig: LMCache {LMCACHE_VERSION} does not know enable_nixl"),
         # Without it LMCache overrides the value and warns: the preflight refuses a config LMCache changes.
         ({"save_unfull_chunk": None}, "kvTransfer.lmcache: LMCache changed or ignored the rendered config"),
     ],
@@ -115,14 +140,53 @@ def test_lmcache_config_file_missing(tmp_path: Path) -> None:
 
 
 def test_an_image_without_nixl(tmp_path: Path) -> None:
-    """The router's virtualenv has no NIXL: as an engine image without it."""
-    router_python = stack.ROOT / ".venv" / "bin" / "python"
-    line = failure_line(preflight(rendered_command(), tmp_path, python=router_python, vllm=None))
+    missing = {"nixl": "raise ImportError(\"No module named 'nixl'\")"}
+    line = failure_line(preflight(rendered_command(), tmp_path, shim=missing))
     assert line.startswith("kvTransfer.backend needs NIXL, but the engine image cannot import it")
 
 
+def test_a_python_without_vllm_is_not_the_engines(tmp_path: Path) -> None:
+    """engine.preflight.python pointing at another interpreter: every check would look at the wrong packages."""
+    line = failure_line(preflight(rendered_command(), tmp_path, vllm=None))
+    assert line.startswith("engine.preflight.python: ") and "has no vllm package" in line
+
+
+def test_a_vllm_that_runs_in_another_interpreter(tmp_path: Path) -> None:
+    vllm = tmp_path / "bin" / "vllm"
+    vllm.parent.mkdir()
+    vllm.write_text("#!/usr/bin/python3\nprint('the other interpreter')\n")
+    vllm.chmod(0o755)
+    line = failure_line(preflight(rendered_command(), tmp_path, engine=[str(vllm), "serve"]))
+    assert (
+        line
+        == f"engine.preflight.python: {vllm} runs in /usr/bin/python3, not in {stack.python()}; set it to /usr/bin/python3"
+    )
+
+
+def test_an_engine_command_that_is_not_there(tmp_path: Path) -> None:
+    line = failure_line(preflight(rendered_command(), tmp_path, engine=["no-such-vllm", "serve"]))
+    assert line == "the engine command 'no-such-vllm' is not on PATH in this image (engineImage)"
+
+
+def test_a_nixl_that_crashes_is_reported_in_one_line(tmp_path: Path) -> None:
+    crash = {"nixl._api": "import ctypes\nprint('NIXL about to crash', flush=True)\nctypes.string_at(0)\n"}
+    line = failure_line(preflight(rendered_command(), tmp_path, shim=crash))
+    assert line == "the NIXL/LMCache checks crashed (signal SIGSEGV, backend UCX); last output: NIXL about to crash"
+
+
+def test_a_nixl_that_hangs_is_reported_after_the_deadline(tmp_path: Path) -> None:
+    hang = {"nixl._api": "import time\nprint('NIXL waiting for a device', flush=True)\ntime.sleep(3600)\n"}
+    args = [a if not a.startswith("--timeout-seconds=") else "--timeout-seconds=5" for a in rendered_command()]
+    line = failure_line(preflight(args, tmp_path, shim=hang))
+    assert (
+        line
+        == "the NIXL/LMCache checks did not finish within 5 s (backend UCX); last output: NIXL waiting for a device"
+    )
+
+
 def test_a_vllm_the_chart_was_not_checked_against_is_named(tmp_path: Path) -> None:
-    args = [a if not a.startswith("--checked-vllm=") else "--checked-vllm=0.33.0" for a in rendered_command()]
-    proc = preflight(args, tmp_path, vllm="0.31.0")
+    other = stack.VLLM_VERSIONS[-1]
+    args = [a if not a.startswith("--checked-vllm=") else f"--checked-vllm={other}" for a in rendered_command()]
+    proc = preflight(args, tmp_path, vllm=VLLM)
     assert proc.returncode == 0 and proc.stdout.strip() == ENGINE
-    assert "WARNING: the chart was checked against vLLM 0.33.0, not 0.31.0" in proc.stderr
+    assert f"WARNING: the chart was checked against vLLM {other}, not {VLLM}" in proc.stderr

@@ -2,14 +2,19 @@
 """pd-inference engine preflight: check that the configured KV hand-off can run in THIS image,
 then exec the engine.
 
-    python3 preflight.py --connector nixl --backend LIBFABRIC --efa-devices 1 -- vllm serve ...
+    python3 preflight.py --connector nixl --backend LIBFABRIC --buffer-device cpu \\
+        --efa-devices 1 -- vllm serve ...
 
-The chart runs it as the engine container's entrypoint (`engine.preflight.enabled`), with the
-image's own Python, in the same container as vLLM: same libraries, same devices, same env. On a
-problem it prints ONE line naming the values field to change and what is missing, and exits 3
-before vLLM starts, so a broken image fails at once and loudly instead of serving without KV
-transfer (silent decode-only) or dying late in a worker. On success it prints one line and
-replaces itself with the engine (os.execvp), so vLLM keeps PID 1's signals.
+The chart runs it as the engine container's entrypoint (`engine.preflight`), with the image's own
+Python, in the same container as vLLM: same libraries, same devices, same env. On a problem it
+prints ONE line naming the values field to change and what is missing, and exits 3 before vLLM
+starts, so a broken image fails at once and loudly instead of serving without KV transfer
+(silent decode-only) or dying late in a worker. On success it prints one line and replaces
+itself with the engine (os.execvp), so vLLM keeps PID 1 and its signals.
+
+The checks that load NIXL, LMCache and torch run in a child process with a deadline: a plugin
+that crashes or hangs is reported in one line too, and vLLM starts from a process that never
+loaded them (no device handle or CUDA context carried into the engine).
 
 Only the standard library and the image's own nixl/lmcache are used. Checked against NIXL 1.5.1
 (`nixl._api.nixl_agent`: a listed plugin that cannot be loaded raises NIXL_ERR_NOT_FOUND, an
@@ -26,16 +31,22 @@ import ctypes
 import glob
 import importlib
 import importlib.metadata
+import json
 import logging
 import os
+import shutil
+import signal
 import struct
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 
 PREFIX = "pd-inference preflight"
 EXIT_FAILED = 3
 # The EFA device plugin mounts one uverbs character device per allocated EFA interface.
 EFA_DEVICE_GLOB = "/dev/infiniband/uverbs*"
+CHILD = "--run-checks-in-child"
 
 
 class Failed(Exception):
@@ -48,16 +59,21 @@ def version_of(dist: str) -> str | None:
     return None
 
 
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
 @contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence what the checked libraries print on fds 1 and 2 (NIXL logs every agent and a
-    plugin failure as an error line), so the result is reported once, by this script."""
+def native_output_to(path: str) -> Iterator[None]:
+    """Send what native code writes to fds 1 and 2 to `path` (NIXL logs every agent and each
+    plugin failure there): kept for the failure message instead of cluttering the log."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
+    sink = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(sink, 1)
+    os.dup2(sink, 2)
     try:
         yield
     finally:
@@ -65,16 +81,8 @@ def quiet() -> Iterator[None]:
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
+        for fd in (*saved, sink):
             os.close(fd)
-
-
-def import_torch_like_the_engine() -> None:
-    """vLLM and LMCache import torch before NIXL, and torch loads the CUDA runtime it ships
-    (libcudart, ...): NIXL's plugins then resolve it by soname. Do the same, or a plugin that
-    loads in the engine would fail here."""
-    with quiet(), contextlib.suppress(Exception):
-        importlib.import_module("torch")
 
 
 # --------------------------------------------------------------------------- NIXL
@@ -142,35 +150,39 @@ def plugin_files(backend: str) -> list[str]:
     return [os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))]
 
 
-def check_nixl_backend(backend: str, field: str) -> str:
+def check_nixl_backend(backend: str, field: str, buffer_device: str, buffer_field: str, log: str) -> str:
     """Create a NIXL agent with `backend` exactly as vLLM's NixlConnector and LMCache's NIXL
-    channel do (`nixl_agent(name, nixl_agent_config(backends=[...]))`). Returns NIXL's version."""
+    channel do (`nixl_agent(name, nixl_agent_config(backends=[...]))`), and check it can register
+    the configured buffer memory. Returns NIXL's version."""
+    fix_python = "(or engine.preflight.python, if this is not the interpreter vLLM runs in)"
     try:
-        with quiet():
+        with native_output_to(log):
             api = importlib.import_module("nixl._api")
     except ImportError as exc:
         raise Failed(
-            f"{field} needs NIXL, but the engine image cannot import it ({exc}); "
-            "use an engine image with NIXL (engineImage)"
+            f"{field} needs NIXL, but the engine image cannot import it ({exc}); use an engine image with NIXL (engineImage) {fix_python}"
         ) from None
     nixl_version = version_of("nixl") or "unknown"
     error = ""
     try:
-        with quiet():
+        with native_output_to(log):
             agent = api.nixl_agent("pd-inference-preflight", api.nixl_agent_config(backends=[backend]))
         created = backend in agent.backends
     except Exception as exc:  # NIXL raises its own error types (nixlNotFoundError, ...)
         created, error = False, f"{type(exc).__name__}: {exc}"
-    if created:
-        return nixl_version
-    plugins = plugin_files(backend)
-    if not plugins:
-        reason = f"the image's NIXL {nixl_version} has no {backend} plugin (libplugin_{backend}.so)"
-    elif missing := missing_libraries(plugins[0]):
-        reason = f"{', '.join(missing)} not found"
-    else:
-        reason = error or f"NIXL {nixl_version} did not create it"
-    raise Failed(f"{field} resolves to {backend}, but the image's NIXL cannot create it: {reason}")
+    if not created:
+        plugins = plugin_files(backend)
+        if not plugins:
+            reason = f"the image's NIXL {nixl_version} has no {backend} plugin (libplugin_{backend}.so)"
+        elif missing := missing_libraries(plugins[0]):
+            reason = f"{', '.join(missing)} not found"
+        else:
+            with open(log, errors="replace") as f:
+                reason = f"{error or 'not created'} ({last_line(f.read())})"
+        raise Failed(f"{field} resolves to {backend}, but the image's NIXL cannot create it: {reason}")
+    if buffer_device == "cuda" and "VRAM_SEG" not in agent.get_backend_mem_types(backend):
+        raise Failed(f"{buffer_field} is cuda, but NIXL's {backend} backend cannot register GPU memory here; use cpu")
+    return nixl_version
 
 
 # --------------------------------------------------------------------------- LMCache
@@ -183,13 +195,13 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def check_lmcache_config() -> str:
+def check_lmcache_config(log: str) -> str:
     """Load LMCACHE_CONFIG_FILE plus the LMCACHE_* env exactly as vLLM's LMCacheConnectorV1
     does (LMCache 0.5.6 `lmcache_get_or_create_config`); refuse unknown keys and any value LMCache
     had to change (it only logs both). Returns LMCache's version."""
     field = "kvTransfer.connector=lmcache"
     try:
-        with quiet():
+        with native_output_to(log):
             config_mod = importlib.import_module("lmcache.v1.config")
             utils = importlib.import_module("lmcache.integration.vllm.utils")
     except ImportError as exc:
@@ -218,7 +230,7 @@ def check_lmcache_config() -> str:
     for lg in loggers:
         lg.addHandler(capture)
     try:
-        with quiet():
+        with native_output_to(log):
             utils.lmcache_get_or_create_config()
     except Exception as exc:
         raise Failed(f"kvTransfer.lmcache: LMCache refused the rendered config: {type(exc).__name__}: {exc}") from None
@@ -231,7 +243,7 @@ def check_lmcache_config() -> str:
 
 
 # --------------------------------------------------------------------------- EFA
-def check_efa(expected: int) -> None:
+def check_efa(expected: int) -> int:
     visible = len(glob.glob(EFA_DEVICE_GLOB))
     if visible == 0:
         raise Failed(
@@ -242,6 +254,49 @@ def check_efa(expected: int) -> None:
         raise Failed(
             f"efa.devices: {expected} EFA devices requested, but only {visible} are visible in the pod ({EFA_DEVICE_GLOB})"
         )
+    return visible
+
+
+# --------------------------------------------------------------------------- the engine command
+def check_engine_command(command: list[str], checked_vllm: list[str]) -> str:
+    """The engine can be exec'd, and this interpreter is the one it runs in (else every check
+    above would have looked at the wrong Python's packages). Returns the vLLM part of the summary."""
+    exe = shutil.which(command[0])
+    if exe is None:
+        raise Failed(f"the engine command {command[0]!r} is not on PATH in this image (engineImage)")
+    vllm = version_of("vllm")
+    if vllm is None:
+        raise Failed(
+            f"engine.preflight.python: {sys.executable} has no vllm package, so it is not the interpreter vLLM "
+            f"runs in{shebang_hint(exe)}"
+        )
+    shebang = shebang_of(exe)
+    if shebang and os.path.realpath(shebang) != os.path.realpath(sys.executable):
+        raise Failed(
+            f"engine.preflight.python: {command[0]} runs in {shebang}, not in {sys.executable}; set it to {shebang}"
+        )
+    part = f"vllm {vllm}"
+    if checked_vllm and vllm not in checked_vllm:
+        part += f", WARNING: the chart was checked against vLLM {', '.join(checked_vllm)}, not {vllm}"
+    return part
+
+
+def shebang_of(exe: str) -> str | None:
+    """The interpreter of a script's `#!` line (None for a binary or an `env` indirection)."""
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    parts = first[2:].decode(errors="replace").split()
+    return parts[0] if parts and not parts[0].endswith("/env") else None
+
+
+def shebang_hint(exe: str) -> str:
+    shebang = shebang_of(exe)
+    return f"; {exe} runs in {shebang}" if shebang else ""
 
 
 # --------------------------------------------------------------------------- main
@@ -253,8 +308,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--connector", choices=["lmcache", "nixl"], required=True)
     p.add_argument("--backend", required=True, help="the NIXL backend the chart resolved (UCX, LIBFABRIC)")
     p.add_argument("--backend-field", default="kvTransfer.backend", help="values field named on failure")
+    p.add_argument("--buffer-device", choices=["cuda", "cpu"], default="cpu", help="where the KV buffer lives")
+    p.add_argument("--buffer-field", default="kvTransfer.nixl.bufferDevice", help="values field named on failure")
     p.add_argument("--efa-devices", type=int, default=0, help="EFA devices requested (0 = EFA off)")
     p.add_argument("--checked-vllm", default="", help="comma-separated vLLM versions the chart was checked against")
+    p.add_argument("--timeout-seconds", type=float, default=300, help="deadline of the NIXL/LMCache checks")
+    p.add_argument(CHILD, dest="child", metavar="LOG", help=argparse.SUPPRESS)
     args = p.parse_args(argv[:cut])
     command = argv[cut + 1 :]
     if not command:
@@ -262,35 +321,103 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, command
 
 
-def run_checks(args: argparse.Namespace) -> str:
-    """All checks; the summary line on success, Failed on the first problem."""
-    if args.efa_devices > 0:
-        check_efa(args.efa_devices)
-    parts = [f"connector={args.connector}", f"backend={args.backend}"]
-    if args.efa_devices > 0:
-        parts.append(f"efa devices={len(glob.glob(EFA_DEVICE_GLOB))}")
-    import_torch_like_the_engine()
-    parts.append(f"nixl {check_nixl_backend(args.backend, args.backend_field)}")
+def run_library_checks(args: argparse.Namespace) -> list[str]:
+    """In the child: the checks that load torch, NIXL and LMCache."""
+    # vLLM and LMCache import torch before NIXL, and torch loads the CUDA runtime it ships
+    # (libcudart, ...): NIXL's plugins then resolve it by soname. Do the same, or a plugin that
+    # loads in the engine would fail here.
+    with native_output_to(args.child), contextlib.suppress(Exception):
+        importlib.import_module("torch")
+    parts = [
+        f"nixl {check_nixl_backend(args.backend, args.backend_field, args.buffer_device, args.buffer_field, args.child)}"
+    ]
     if args.connector == "lmcache":
-        parts.append(f"lmcache {check_lmcache_config()}")
-    vllm = version_of("vllm")
-    parts.append(f"vllm {vllm or 'not installed'}")
-    checked = [v for v in args.checked_vllm.split(",") if v]
-    if vllm and checked and vllm not in checked:
-        parts.append(f"WARNING: the chart was checked against vLLM {', '.join(checked)}, not {vllm}")
-    return ", ".join(parts)
+        parts.append(f"lmcache {check_lmcache_config(args.child)}")
+    return parts
+
+
+def child_main(args: argparse.Namespace) -> int:
+    try:
+        result = {"ok": True, "parts": run_library_checks(args)}
+    except Failed as exc:
+        result = {"ok": False, "message": str(exc)}
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def run_child(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """Run the library checks in a child with a deadline; Failed on any problem, crash or hang."""
+    with tempfile.TemporaryDirectory(prefix="pd-preflight-") as tmp:
+        log = os.path.join(tmp, "native.log")
+        cut = argv.index("--")
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *argv[:cut], CHILD, log, *argv[cut:]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+        def stop(signum: int, _frame: object) -> None:  # pod deletion during the checks
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            out, _ = proc.communicate(timeout=args.timeout_seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise Failed(
+                f"the NIXL/LMCache checks did not finish within {args.timeout_seconds:g} s "
+                f"(backend {args.backend}); last output: {last_line(read(log) + out)}"
+            ) from None
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if proc.returncode != 0:
+            how = (
+                f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            )
+            raise Failed(
+                f"the NIXL/LMCache checks crashed ({how}, backend {args.backend}); last output: {last_line(read(log) + out)}"
+            )
+        try:
+            result = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise Failed(f"the NIXL/LMCache checks gave no result; last output: {last_line(out)}") from None
+    if not result["ok"]:
+        raise Failed(result["message"])
+    return result["parts"]
+
+
+def read(path: str) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, command = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, command = parse(argv)
+    if args.child:
+        return child_main(args)
+    parts = [f"connector={args.connector}", f"backend={args.backend}"]
     try:
-        summary = run_checks(args)
+        if args.efa_devices > 0:
+            parts.append(f"efa devices={check_efa(args.efa_devices)}")
+        vllm = check_engine_command(command, [v for v in args.checked_vllm.split(",") if v])
+        parts += run_child(args, argv)
+        parts.append(vllm)
     except Failed as exc:
         print(f"{PREFIX}: FAILED: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
-    print(f"{PREFIX}: ok ({summary})", file=sys.stderr, flush=True)
-    os.execvp(command[0], command)
-    return 0  # not reached
+    print(f"{PREFIX}: ok ({', '.join(parts)})", file=sys.stderr, flush=True)
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"{PREFIX}: FAILED: cannot exec the engine command {command[0]!r}: {exc}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -114,17 +114,20 @@ UCX
 {{- define "pd-inference.preflightDir" -}}/etc/pd-inference{{- end -}}
 
 {{/*
-"true" when model.name names a model family vLLM serves as a hybrid (IsHybrid / attention-free
-models: more than one KV-cache group, or a Mamba state instead of a KV cache). From vLLM 0.31.0
-and 0.33.0 vllm/model_executor/models/: qwen3_5, qwen3_next, jamba, mamba/mamba2 (also Falcon-
-Mamba, Codestral Mamba), falcon_h1, granitemoehybrid (Granite 4.0-H), nemotron_h (Nemotron-H,
-Nemotron Nano v2, Nemotron 3), zamba2, bamba, lfm2, minimax (lightning attention), plamo2,
-kimi_linear, olmo_hybrid, bailing_moe_linear (Ling/Ring linear). Matched case-insensitively on
-the whole name, so a local path like /models/Qwen3.5-9B matches too.
+"true" when model.name names a model family vLLM serves as a hybrid (IsHybrid or attention-free:
+linear-attention, Gated DeltaNet, KDA or Mamba layers, more than one KV-cache group). Families of
+the IsHybrid architectures in vLLM 0.31.0 / 0.33.0 (model_executor/models/registry.py and
+vllm/models/): Qwen3.5 (and 3.6, 3.8), Qwen3-Next, Qwen4-Exp, Jamba, Mamba/Mamba2 (Falcon-Mamba,
+Codestral Mamba), Falcon-H1, Granite 4.0-H and 4.0-Tiny (GraniteMoeHybrid), Nemotron-H (Nemotron
+Nano v2, Nemotron 3 Nano/Super/Ultra), Zamba2, LFM2, Kimi-Linear, Kimi-K3, GLM-5-Next,
+MiniCPM-V 4.6, OLMo-Hybrid, Ling/Ring linear and 2.5/3 (BailingMoe V2.5/V3). Matched
+case-insensitively on the last path segment, so /models/Qwen3.5-9B matches and
+/models/mamba-team/llama-3-8b does not. A miss only matters for the LMCache refusal; declare
+model.attention for a name this list does not know.
 */}}
 {{- define "pd-inference.hybridFamily" -}}
-{{- $families := list "qwen3[.]5" "qwen3-next" "jamba" "mamba" "falcon-h1" "granite-4[.]0-h" "nemotron-h" "nemotron-nano-[0-9.]+b-v2" "nemotron-3" "zamba" "bamba" "lfm2" "minimax-(m1|text-01)" "plamo-?2" "kimi-linear" "olmo-hybrid" "(ling|ring)-[a-z0-9.-]*linear" -}}
-{{- if regexMatch (printf "(?i)(%s)" (join "|" $families)) .Values.model.name -}}true{{- end -}}
+{{- $families := list "qwen3[.][5-9]" "qwen3-next" "qwen4" "jamba" "mamba" "falcon-h1" "granite-4[.][0-9]+-(h|tiny)" "nemotron-h" "nemotron-nano-[0-9.]+b-v2" "nemotron-3-(nano|super|ultra)" "zamba" "lfm2" "kimi-linear" "kimi-k3" "glm-?5-next" "minicpm-v-?4[._]6" "olmo-hybrid" "(ling|ring)-[a-z0-9.-]*(linear|2[.]5)" "(ling|ring)-3" -}}
+{{- if regexMatch (printf "(?i)(%s)" (join "|" $families)) (base .Values.model.name) -}}true{{- end -}}
 {{- end -}}
 
 {{/* "true" when the model is hybrid: declared by model.attention, else known by its name. */}}

@@ -47,8 +47,9 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- end -}}
 
 {{- /* LMCache keys the chart owns cannot be overridden through extraConfig. */ -}}
-{{- range $key := list "chunk_size" "local_cpu" "enable_pd" "pd_role" "transfer_channel" "nixl_backends" "pd_buffer_size" "pd_buffer_device" "save_unfull_chunk" "pd_proxy_host" "pd_proxy_port" "pd_peer_host" "pd_peer_init_port" "pd_peer_alloc_port" "pd_skip_proxy_notification" -}}
-{{- if hasKey $v.kvTransfer.lmcache.extraConfig $key -}}
+{{- range $line := .Files.Lines "files/lmcache-chart-owned-keys.txt" -}}
+{{- $key := trim $line -}}
+{{- if and $key (not (hasPrefix "#" $key)) (hasKey $v.kvTransfer.lmcache.extraConfig $key) -}}
 {{- fail (printf "kvTransfer.lmcache.extraConfig.%s: this LMCache key is set by the chart; use the matching kvTransfer/ports value instead" $key) -}}
 {{- end -}}
 {{- end -}}

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+from pd_router.sim.protocol import VERSIONS
 from pd_router.sim.server import FAULTS, SimConfig, serve
 
 
@@ -38,21 +39,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
     p.add_argument("--engine-id", default="")
     p.add_argument(
         "--vllm-version",
-        choices=["0.31", "0.33"],
-        default="0.31",
+        choices=VERSIONS,
+        default=SimConfig.vllm_version,
         help="vLLM whose rules to follow (0.33: only the prompt must fit max_model_len)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=8192,
-        help="scheduler token budget per step (vLLM's default for an API server on H100/H200)",
+        default=SimConfig.max_num_batched_tokens,
+        help="scheduler token budget per step (default: vLLM's for an API server on H100/H200; "
+        "on a smaller GPU such as the L4 of g6 vLLM uses 2048)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=1024, help="most sequences running")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SimConfig.max_num_seqs,
+        help="most sequences running (vLLM: 1024 on H100/H200, 256 on an L4)",
+    )
     p.add_argument(
         "--num-gpu-blocks-override",
         type=int,
-        default=8192,
+        default=SimConfig.num_gpu_blocks,
         help="KV-cache blocks (16 tokens each) behind vllm:kv_cache_usage_perc",
     )
     a = p.parse_args(argv)
