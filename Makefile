@@ -14,7 +14,7 @@ RELEASE ?= pd
 NAMESPACE ?= pd-$(ENV)
 export PD_HELM_BINARIES := $(abspath $(HELM4)):$(abspath $(HELM3))
 
-.PHONY: help tools engines test lint render snapshot docs demo bench fmt clean
+.PHONY: help helm tools engines kube test lint render snapshot docs demo bench fmt clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -26,27 +26,36 @@ $(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml)
 	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install --quiet -e 'router[test]'; fi
 	@touch $@
 
-tools: $(VENV)/.installed ## Install the virtualenv, Helm 4 and Helm 3 (idempotent; cached in .venv/ and .tools/)
+helm: $(VENV)/.installed ## Install the virtualenv and Helm 4 and 3 only (what render, snapshot and docs need)
+	@scripts/install-tools.sh helm
+
+tools: $(VENV)/.installed ## Install everything make test needs (idempotent; cached in .venv/ and .tools/): Helm, checkov, the engine stack, the control plane
 	@scripts/install-tools.sh
+	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh
+	@scripts/install-kube.sh
 	@echo "tools: $$($(PY) --version) in $(VENV), $$($(PY) -m pip freeze | wc -l) packages" >&2
 
 engines: ## Install the real engine stack (torch, LMCache, NIXL, each checked vLLM) into .tools/engine-stack (first run: ~7 GB, a few minutes)
 	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh
 
-test: tools engines ## Run every test suite (chart, values, Argo CD, real engine stack, router end to end)
+kube: ## Build the control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok) into .tools/ (first run: ~20 minutes)
+	@scripts/install-kube.sh
+
+test: tools ## Run every test suite (chart, values, Argo CD, real engine stack, real control plane, router end to end)
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
-lint: tools ## The checks users run in their CI (ci/check.sh), plus ruff
+lint: helm ## The checks users run in their CI (ci/check.sh), plus ruff
+	@scripts/install-tools.sh checkov
 	ci/check.sh
 
-render: tools ## Print the manifests of values/$(ENV).yaml (e.g. make render ENV=prod)
+render: helm ## Print the manifests of values/$(ENV).yaml (e.g. make render ENV=prod)
 	@test -f values/$(ENV).yaml || { echo "render: no values/$(ENV).yaml" >&2; exit 2; }
 	@$(HELM) template $(RELEASE) $(CHART) --namespace $(NAMESPACE) $(foreach f,$(shell $(PY) ci/envs.py files $(ENV)),-f $(f))
 
-snapshot: tools ## Refresh the committed snapshot of the default render (review its diff)
+snapshot: helm ## Refresh the committed snapshot of the default render (review its diff)
 	$(PY) -m tests.snapshot --update
 
-docs: tools ## Regenerate values.schema.json descriptions and the chart README values table
+docs: helm ## Regenerate values.schema.json descriptions and the chart README values table
 	$(PY) ci/chartdoc.py --write
 
 demo: $(VENV)/.installed ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
@@ -55,7 +64,7 @@ demo: $(VENV)/.installed ## Router plus simulated prefill and decode engines on 
 bench: $(VENV)/.installed ## Router vs vllm-router vs direct, on zero-delay simulated engines
 	$(PY) -m pd_router.bench $(ARGS)
 
-fmt: tools ## Format Python code
+fmt: $(VENV)/.installed ## Format Python code
 	$(VENV)/bin/ruff format router tests ci charts/pd-inference/files
 
 clean: ## Remove the virtualenv (keeps .tools/: the Helm builds and the engine stack)

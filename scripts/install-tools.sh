@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs what `make test` needs, idempotently: Helm 4 and Helm 3 (from their Go modules when no
-# matching helm is on PATH) into .tools/, checkov into .tools/checkov-venv, and
-# llm-d-inference-sim when its installer exists.
+# Installs, idempotently: Helm 4 and Helm 3 (from their Go modules when no matching helm is on
+# PATH) into .tools/, checkov into .tools/checkov-venv, and llm-d-inference-sim when its installer
+# exists. `make tools` also runs scripts/install-engine-stack.sh and scripts/install-kube.sh.
 # Versions are pinned here and nowhere else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,17 +32,28 @@ install_helm() { # major version, e.g. "4" "v4.2.1"
   echo "$version" > "$dir/.version"
 }
 
-install_helm 4 "$HELM4_VERSION"
-install_helm 3 "$HELM3_VERSION"
-
-# checkov (the CI security scan) lives in its own virtualenv: see scripts/install-checkov.sh.
-scripts/install-checkov.sh
-
-if [ -x router/tools/install-llm-d-sim.sh ]; then
-  router/tools/install-llm-d-sim.sh || echo "install-tools: llm-d-inference-sim not installed (its interop test will skip and say why)"
-fi
-
-for version in "$HELM4_VERSION" "$HELM3_VERSION"; do
-  echo "install-tools: helm $version ($("$TOOLS/helm-$version/helm" version --template '{{.GoVersion}}')) at .tools/helm-$version/helm"
+# What to install: `helm` (both versions), `checkov`, `llm-d-sim`; no argument = all three.
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(helm checkov llm-d-sim)
+for part in "${parts[@]}"; do
+  case "$part" in
+    helm)
+      install_helm 4 "$HELM4_VERSION"
+      install_helm 3 "$HELM3_VERSION"
+      for version in "$HELM4_VERSION" "$HELM3_VERSION"; do
+        echo "install-tools: helm $version ($("$TOOLS/helm-$version/helm" version --template '{{.GoVersion}}')) at .tools/helm-$version/helm"
+      done
+      ;;
+    checkov)
+      # checkov (the CI security scan) lives in its own virtualenv: see scripts/install-checkov.sh.
+      scripts/install-checkov.sh
+      echo "install-tools: $(.tools/checkov-venv/bin/checkov --version | sed 's/^/checkov /') at .tools/checkov-venv"
+      ;;
+    llm-d-sim)
+      if [ -x router/tools/install-llm-d-sim.sh ]; then
+        router/tools/install-llm-d-sim.sh || echo "install-tools: llm-d-inference-sim not installed (its interop test will skip and say why)"
+      fi
+      ;;
+    *) echo "install-tools: unknown part $part (helm, checkov, llm-d-sim)"; exit 2 ;;
+  esac
 done
-echo "install-tools: $(.tools/checkov-venv/bin/checkov --version | sed 's/^/checkov /') at .tools/checkov-venv"
