@@ -1,5 +1,6 @@
 """Render every environment exactly as its Argo CD Application does and validate each object
-against the Kubernetes OpenAPI schemas (oldest supported and newest known version, strict).
+against the Kubernetes OpenAPI schemas (oldest supported and newest known version, strict), and
+each custom resource against its CRD in ci/crds/ (strict, ci/crd_schema.py).
 Writes build/rendered/<env>.yaml for the next steps (checkov).
 
     python ci/render.py [--helm PATH] [--out DIR]
@@ -18,10 +19,8 @@ from kubernetes_validate.utils import all_versions
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ci import gitops  # noqa: E402
+from ci import crd_schema, gitops  # noqa: E402
 
-# Custom resources: not in Kubernetes' OpenAPI (their operators validate them on apply).
-CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
 MIN_KUBE = "1.29"
 
 
@@ -41,7 +40,8 @@ def render(helm: str, app: dict) -> str:
 def validate(docs: list[dict]) -> list[str]:
     errors = []
     for doc in docs:
-        if doc["kind"] in CUSTOM_KINDS:
+        if crd_schema.is_custom_resource(doc):
+            errors += [f"CRD {e}" for e in crd_schema.validate(doc)]
             continue
         for version in kube_versions():
             try:
@@ -69,10 +69,12 @@ def main(argv: list[str]) -> int:
             print(f"{env}: {e}", file=sys.stderr)
         failed |= bool(errors)
         if not errors:
-            kinds = sorted({d["kind"] for d in docs})
-            print(
-                f"ok: {env}: {len(docs)} objects ({', '.join(kinds)}) valid for Kubernetes {' and '.join(kube_versions())}"
-            )
+            kinds = sorted({d["kind"] for d in docs if not crd_schema.is_custom_resource(d)})
+            custom = sorted({d["kind"] for d in docs if crd_schema.is_custom_resource(d)})
+            line = f"ok: {env}: {len(docs)} objects ({', '.join(kinds)}) valid for Kubernetes {' and '.join(kube_versions())}"
+            if custom:
+                line += f"; {', '.join(custom)} valid for their CRDs (ci/crds/)"
+            print(line)
     return 1 if failed else 0
 
 

@@ -16,19 +16,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from ci import crd_schema as crd_schemas
 from ci import envs, gitops
 from tests import helm
+from tests.cluster import controlplane
 
 ROOT = helm.ROOT
-SCHEMAS = ROOT.parent / "shared" / "schemas" / "argocd-v3.5.1"
-CRDS = {
-    "Application": "application-crd.yaml",
-    "ApplicationSet": "applicationset-crd.yaml",
-    "AppProject": "appproject-crd.yaml",
-}
 ENVS = envs.load()
 CONFIG = yaml.safe_load((ROOT / "argocd" / "config.yaml").read_text())["data"]
-CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
 
 pytestmark = pytest.mark.xdist_group("argocd")
 
@@ -60,31 +55,11 @@ def argo_render(env: str) -> list[dict[str, Any]]:
 # --- CRD schemas ------------------------------------------------------------------------------
 
 
-def _strict(schema: Any) -> Any:
-    """Kubernetes rejects unknown fields (kubectl's strict field validation): no extra properties
-    where the CRD schema lists them and does not preserve unknown fields."""
-    if isinstance(schema, dict):
-        out = {k: _strict(v) for k, v in schema.items()}
-        if (
-            "properties" in out
-            and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
 @functools.cache
 def crd_schema(kind: str) -> dict[str, Any]:
-    if not SCHEMAS.is_dir():
-        pytest.skip(f"Argo CD CRD schemas not found at {SCHEMAS} (the shared/ folder beside the clone)")
-    crd = yaml.safe_load((SCHEMAS / CRDS[kind]).read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
-    schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
-    # metadata is `type: object` in the CRD; the API server checks it like any object's.
+    """The Argo CD CRD's strict schema (ci/crds/, ci/crd_schema.py), with the metadata rules the
+    API server applies to any object, and this project's: everything in the argocd namespace."""
+    schema = copy.deepcopy(crd_schemas.schemas()[("argoproj.io/v1alpha1", kind)])
     schema["properties"]["metadata"] = {
         "type": "object",
         "required": ["name", "namespace"],
@@ -97,7 +72,7 @@ def crd_schema(kind: str) -> dict[str, Any]:
         },
         "additionalProperties": False,
     }
-    return _strict(schema)
+    return schema
 
 
 def _crd_errors(doc: dict[str, Any]) -> list[str]:
@@ -174,9 +149,8 @@ def test_config_change_reaches_every_object(tmp_path: Path) -> None:
 
 
 def test_kustomize_reproduction_matches_kubectl_kustomize() -> None:
-    kubectl = shutil.which("kubectl")
-    if not kubectl:
-        pytest.skip("kubectl not on PATH: ci/gitops.py's kustomize subset is not cross-checked here")
+    """ci/gitops.py's kustomize subset against the real kustomize in kubectl (built by `make kube`)."""
+    kubectl = Path(controlplane.manifest()["kubernetes"][controlplane.versions()[0]]) / "kubectl"
     proc = subprocess.run([kubectl, "kustomize", str(ROOT / "argocd")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     real = sorted((d for d in yaml.safe_load_all(proc.stdout) if d), key=lambda d: (d["kind"], d["metadata"]["name"]))
@@ -279,7 +253,8 @@ def test_argocd_render_is_valid_kubernetes(env: str) -> None:
     errors = []
     for doc in docs:
         assert doc["metadata"].get("namespace") == ENVS[env]["namespace"], f"{doc['kind']} outside the destination"
-        if doc["kind"] in CUSTOM_KINDS:
+        if crd_schemas.is_custom_resource(doc):
+            errors += crd_schemas.validate(doc)
             continue
         try:
             kubernetes_validate.validate(doc, helm.KUBE_VERSION, strict=True)

@@ -9,12 +9,11 @@ import kubernetes_validate
 import pytest
 from kubernetes_validate.utils import all_versions
 
+from ci import crd_schema
 from tests import helm
 from tests.cases import LAYERINGS, VALUES_FILES
 
 KUBE_VERSIONS = [v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 29)]
-# Custom resources the chart may render; their schemas are not in Kubernetes' OpenAPI.
-CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
 
 
 def test_kubernetes_versions_cover_the_supported_range() -> None:
@@ -45,7 +44,8 @@ def test_objects_validate_against_kubernetes_schemas(h4: Path, name: str) -> Non
     docs = helm.render(h4, LAYERINGS[name], extra=("--api-versions", "monitoring.coreos.com/v1"))
     errors = []
     for doc in docs:
-        if doc["kind"] in CUSTOM_KINDS:
+        if crd_schema.is_custom_resource(doc):
+            errors += crd_schema.validate(doc)  # against the operator's CRD (ci/crds/)
             continue
         for version in KUBE_VERSIONS:
             try:
