@@ -96,6 +96,20 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     "bad_attention_enum": ("model:\n  attention: linear\n", ("/model/attention",)),
     "bad_nixl_buffer_device": ("kvTransfer:\n  nixl:\n    bufferDevice: gpu\n", ("/kvTransfer/nixl/bufferDevice",)),
     "preflight_python_with_space": ("engine:\n  preflight:\n    python: python3 -u\n", ("/engine/preflight/python",)),
+    # Placement the chart can know cannot work (templates/_helpers.tpl pd-inference.instanceTypes).
+    "tp_above_the_instance_types_gpus": (
+        "prefill:\n  instanceType: g6.8xlarge\n  tensorParallelSize: 4\ndecode:\n  tensorParallelSize: 4\n",
+        ("prefill.tensorParallelSize", "g6.8xlarge has 1"),
+    ),
+    "efa_devices_above_the_instance_types": (
+        "efa:\n  enabled: true\n  devices: 32\ndecode:\n  instanceType: p5en.48xlarge\n  tensorParallelSize: 8\n"
+        "prefill:\n  tensorParallelSize: 8\n",
+        ("efa.devices", "p5en.48xlarge has 16"),
+    ),
+    "efa_on_an_instance_type_without_efa": (
+        "efa:\n  enabled: true\n  devices: 1\nprefill:\n  instanceType: g6.2xlarge\n",
+        ("efa.enabled", "g6.2xlarge has no EFA"),
+    ),
 }
 
 # The same, layered over tests/scenarios/lmcache.yaml (LMCache PD with a full-attention model): the

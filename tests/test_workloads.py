@@ -255,10 +255,15 @@ def test_recommended_labels_and_immutable_selectors(h4: Path) -> None:
 
 def test_lmcache_router_is_single_and_recreated(h4: Path) -> None:
     deploy = helm.one(helm.render(h4, (LMCACHE,)), "Deployment", "-router")
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    # rollingUpdate explicitly null: a defaulted one would make the switch to Recreate invalid.
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate", "rollingUpdate": None}
     for scaled in (("kvTransfer.connector=nixl",), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",)):
         deploy = helm.one(helm.render(h4, (LMCACHE,), sets=(*scaled, "router.replicas=3")), "Deployment", "-router")
-        assert deploy["spec"]["replicas"] == 3 and "strategy" not in deploy["spec"]
+        assert deploy["spec"]["replicas"] == 3
+        assert deploy["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0},
+        }
 
 
 def test_router_autoscaling_with_the_notification_sidecar(h4: Path) -> None:

@@ -137,6 +137,48 @@ model.attention for a name this list does not know.
 {{- end -}}
 {{- end -}}
 
+{{/*
+GPUs and EFA interfaces of the EC2 instance types an engine pod may be pinned to
+(prefill/decode.instanceType), for the placement checks in _validate.tpl: a pod asking for more
+than its instance type has would stay Pending forever. From Karpenter's generated instance-type
+reference (nvidia.com/gpu, vpc.amazonaws.com/efa = EfaInfo.MaximumEfaInterfaces; 0 = no EFA),
+checked 2026-12. A type not listed here is not checked: the scheduler reports it instead.
+*/}}
+{{- define "pd-inference.instanceTypes" -}}
+p4d.24xlarge: {gpus: 8, efa: 4}
+p4de.24xlarge: {gpus: 8, efa: 4}
+p5.4xlarge: {gpus: 1, efa: 1}
+p5.48xlarge: {gpus: 8, efa: 32}
+p5e.48xlarge: {gpus: 8, efa: 32}
+p5en.48xlarge: {gpus: 8, efa: 16}
+p6-b200.48xlarge: {gpus: 8, efa: 8}
+p6-b300.48xlarge: {gpus: 8, efa: 16}
+{{- range $family := list "g5" "g6" }}
+{{ $family }}.xlarge: {gpus: 1, efa: 0}
+{{ $family }}.2xlarge: {gpus: 1, efa: 0}
+{{ $family }}.4xlarge: {gpus: 1, efa: 0}
+{{ $family }}.8xlarge: {gpus: 1, efa: 1}
+{{ $family }}.12xlarge: {gpus: 4, efa: 1}
+{{ $family }}.16xlarge: {gpus: 1, efa: 1}
+{{ $family }}.24xlarge: {gpus: 4, efa: 1}
+{{ $family }}.48xlarge: {gpus: 8, efa: 1}
+{{- end }}
+g6e.xlarge: {gpus: 1, efa: 0}
+g6e.2xlarge: {gpus: 1, efa: 0}
+g6e.4xlarge: {gpus: 1, efa: 0}
+g6e.8xlarge: {gpus: 1, efa: 1}
+g6e.12xlarge: {gpus: 4, efa: 1}
+g6e.16xlarge: {gpus: 1, efa: 1}
+g6e.24xlarge: {gpus: 4, efa: 2}
+g6e.48xlarge: {gpus: 8, efa: 4}
+g7e.2xlarge: {gpus: 1, efa: 0}
+g7e.4xlarge: {gpus: 1, efa: 0}
+g7e.8xlarge: {gpus: 1, efa: 1}
+g7e.12xlarge: {gpus: 2, efa: 1}
+g7e.24xlarge: {gpus: 4, efa: 2}
+g7e.48xlarge: {gpus: 8, efa: 4}
+{{- end -}}
+
 {{/* Replicas that run at least: minReplicas under autoscaling, else replicas. Call with the component's values. */}}
 {{- define "pd-inference.minReplicas" -}}
 {{- if and .autoscaling .autoscaling.enabled -}}

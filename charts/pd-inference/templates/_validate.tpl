@@ -99,8 +99,21 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail (printf "ports.proxyNotification: port %d is already the router's HTTP port (ports.routerHttp)" (int $v.ports.proxyNotification)) -}}
 {{- end -}}
 
+{{- $instanceTypes := include "pd-inference.instanceTypes" . | fromYaml -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $r := get $v $role -}}
+{{- /* Placement that cannot work: more GPUs or EFA devices than the pinned instance type has. */ -}}
+{{- with get $instanceTypes $r.instanceType -}}
+{{- if gt (int $r.tensorParallelSize) (int .gpus) -}}
+{{- fail (printf "%s.tensorParallelSize: %d GPUs per pod, but %s.instanceType %s has %d; the pod could never be scheduled" $role (int $r.tensorParallelSize) $role $r.instanceType (int .gpus)) -}}
+{{- end -}}
+{{- if and $v.efa.enabled (eq (int .efa) 0) -}}
+{{- fail (printf "efa.enabled: %s.instanceType %s has no EFA; turn EFA off or pick an EFA instance type" $role $r.instanceType) -}}
+{{- end -}}
+{{- if and $v.efa.enabled (gt (int $v.efa.devices) (int .efa)) -}}
+{{- fail (printf "efa.devices: %d EFA devices per pod, but %s.instanceType %s has %d" (int $v.efa.devices) $role $r.instanceType (int .efa)) -}}
+{{- end -}}
+{{- end -}}
 {{- /* The chart owns accelerator resources: they follow tensorParallelSize and efa.* */ -}}
 {{- range $kind := list "requests" "limits" -}}
 {{- $res := get ($r.resources | default dict) $kind | default dict -}}
