@@ -1,0 +1,323 @@
+"""A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (self-signed serving
+certificate, a service-account signing key, RBAC, the default admission plugins including
+PodSecurity), kube-controller-manager, kube-scheduler, and kwok simulating the kubelets of fake
+nodes. Built by scripts/install-kube.sh (`make kube`); paths come from .tools/kube.json.
+
+Every process gets its own free ports and a work folder; readiness is polled (`/readyz`,
+`/healthz`, a node turning Ready), never slept for; `stop()` kills the whole process group of
+each and waits for it, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFEST = ROOT / ".tools" / "kube.json"
+STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
+START_SECONDS = 120  # a deadline for a broken start, not a timing assertion
+REQUEST_TIMEOUT = "60s"  # every kubectl call
+
+
+def manifest() -> dict[str, Any]:
+    if not MANIFEST.exists():
+        raise RuntimeError(f"the control plane is not built ({MANIFEST} missing): run `make kube` (or `make test`)")
+    return json.loads(MANIFEST.read_text())
+
+
+def versions() -> list[str]:
+    return list(manifest()["kubernetes"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(20)
+
+
+@dataclass
+class ControlPlane:
+    version: str
+    workdir: Path
+    procs: list[Process] = field(default_factory=list)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    apiserver_port: int = 0
+
+    @property
+    def bin(self) -> Path:
+        return Path(manifest()["kubernetes"][self.version])
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> ControlPlane:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        w = self.workdir
+        w.mkdir(parents=True, exist_ok=True)
+        etcd_port, etcd_peer = free_port(), free_port()
+        self.apiserver_port = free_port()
+        subprocess.run(
+            ["openssl", "genrsa", "-out", str(w / "sa.key"), "2048"], check=True, capture_output=True, timeout=60
+        )
+        (w / "tokens.csv").write_text(f"{self.token},pd-admin,pd-admin,system:masters\n")
+        self._write_kubeconfig()
+        self._spawn(
+            "etcd",
+            [
+                manifest()["etcd"],
+                f"--data-dir={w / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync",  # a throwaway test store
+            ],
+        )
+        self._wait(f"http://127.0.0.1:{etcd_port}/health", "etcd", tls=False)
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # The lease reconciler refuses a loopback address; nothing here needs the
+                # `kubernetes` Service's endpoints.
+                "--endpoint-reconciler-type=none",
+                f"--secure-port={self.apiserver_port}",
+                f"--cert-dir={w / 'certs'}",  # a self-signed serving certificate for 127.0.0.1
+                f"--token-auth-file={w / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={w / 'sa.key'}",
+                f"--service-account-signing-key-file={w / 'sa.key'}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                # efa.privileged is an opt-in the chart supports; admission (Pod Security) decides.
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                # It taints every new node not-ready until the node-lifecycle controller (off here:
+                # kwok sends no heartbeats) clears it; the fake nodes are Ready from the start.
+                "--disable-admission-plugins=TaintNodesByCondition",
+            ],
+        )
+        self._wait(f"{self.server}/readyz", "kube-apiserver")
+        # apiserver.crt holds the serving certificate, then the self-signed CA that issued it.
+        pem = (w / "certs" / "apiserver.crt").read_text()
+        blocks = [b + "-----END CERTIFICATE-----\n" for b in pem.split("-----END CERTIFICATE-----") if "BEGIN" in b]
+        (w / "ca.crt").write_text(blocks[-1].lstrip())
+        for name, extra in (
+            (
+                "kube-controller-manager",
+                [
+                    f"--service-account-private-key-file={w / 'sa.key'}",
+                    f"--root-ca-file={w / 'ca.crt'}",
+                    "--controllers=*,-node-ipam-controller,-node-lifecycle-controller",
+                ],
+            ),
+            ("kube-scheduler", []),
+        ):
+            port = free_port()
+            self._spawn(
+                name,
+                [
+                    str(self.bin / name),
+                    f"--kubeconfig={self.kubeconfig}",
+                    f"--authentication-kubeconfig={self.kubeconfig}",
+                    f"--authorization-kubeconfig={self.kubeconfig}",
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    f"--cert-dir={w / name}",
+                    *extra,
+                ],
+            )
+            self._wait(f"https://127.0.0.1:{port}/healthz", name, auth=False)
+        self._spawn(
+            "kwok",
+            [
+                manifest()["kwok"],
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                f"--config={STAGES}",
+                "--cidr=10.244.0.0/16",
+                "--node-ip=127.0.0.1",
+                f"--server-address=127.0.0.1:{free_port()}",
+                "-v=DEBUG",
+            ],
+        )
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ clients
+    def env(self) -> dict[str, str]:
+        """Environment for kubectl and helm: this cluster only, no user config."""
+        home = self.workdir / "home"
+        home.mkdir(exist_ok=True)
+        return {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(home),
+            "KUBECONFIG": str(self.kubeconfig),
+            "HELM_CACHE_HOME": str(home / "helm-cache"),
+            "HELM_CONFIG_HOME": str(home / "helm-config"),
+            "HELM_DATA_HOME": str(home / "helm-data"),
+        }
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.bin / "kubectl"), f"--request-timeout={REQUEST_TIMEOUT}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=self.env(),
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def run(self, *args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """Any client (helm, kubectl) against this cluster; the caller checks the result."""
+        return subprocess.run(
+            [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=self.env(), cwd=ROOT
+        )
+
+    def apply(
+        self, docs: list[dict[str, Any]] | str, *args: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """Server-side apply with strict field validation."""
+        text = docs if isinstance(docs, str) else yaml.safe_dump_all(docs)
+        return self.kubectl(
+            "apply",
+            "--server-side",
+            "--field-manager=pd-tests",
+            "--validate=strict",
+            "-f",
+            "-",
+            *args,
+            input=text,
+            check=check,
+        )
+
+    def get(self, kind: str, *args: str) -> dict[str, Any]:
+        return json.loads(self.kubectl("get", kind, "-o", "json", *args).stdout)
+
+    def wait_for_condition(self, kind: str, condition: str, *args: str) -> None:
+        """Every object of `kind` (in `args`' scope) has `condition` True. Polls: `kubectl wait`
+        fails at once on an object whose status has no conditions yet."""
+
+        def all_true() -> bool:
+            items = self.get(kind, *args)["items"]
+            return bool(items) and all(
+                any(
+                    c["type"] == condition and c["status"] == "True"
+                    for c in ((i.get("status") or {}).get("conditions") or [])
+                )
+                for i in items
+            )
+
+        self.wait_until(f"every {kind} {condition}", all_true)
+
+    def wait_until(self, what: str, cond: Any, deadline_s: float = START_SECONDS) -> Any:
+        """Poll `cond()` until it returns something truthy (the deadline only stops a broken test)."""
+        end = time.monotonic() + deadline_s
+        while True:
+            got = cond()
+            if got:
+                return got
+            if time.monotonic() > end:
+                raise AssertionError(f"never happened: {what}")
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------ internals
+    def _write_kubeconfig(self) -> None:
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "pd", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
+            "users": [{"name": "pd-admin", "user": {"token": self.token}}],
+            "contexts": [{"name": "pd", "context": {"cluster": "pd", "user": "pd-admin"}}],
+            "current-context": "pd",
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(cfg))
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        self.procs.append(Process(name, popen, log))
+
+    def _wait(self, url: str, name: str, tls: bool = True, auth: bool = True) -> None:
+        proc = self.procs[-1]
+        ctx = ssl._create_unverified_context() if tls else None  # the self-signed test certificate
+        headers = {"Authorization": f"Bearer {self.token}"} if auth and tls else {}
+        end = time.monotonic() + START_SECONDS
+        while True:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            try:
+                req = urllib.request.Request(url, headers=headers)
+                with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"{name} not ready at {url} within {START_SECONDS} s:\n{proc.tail()}")
+            time.sleep(0.1)
