@@ -33,8 +33,10 @@ def test_generated_applications_are_accepted_and_a_bad_one_is_not(cluster: Contr
     cluster.apply([fleet.namespace("argocd", "restricted")])
     apps = list(gitops.environment_applications().values())
     assert len(apps) == 3
-    proc = cluster.apply(apps, "--dry-run=server")
+    proc = cluster.apply(apps)
     assert proc.stdout.count("serverside-applied") == 3, proc.stdout
+    stored = {a["metadata"]["name"] for a in cluster.get("applications.argoproj.io", "-n", "argocd")["items"]}
+    assert {a["metadata"]["name"] for a in apps} <= stored
     bad = copy.deepcopy(apps[0])
     bad["spec"]["syncPolicy"]["automatedd"] = {}
     proc = cluster.apply([bad], "--dry-run=server", check=False)
