@@ -8,6 +8,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -600,6 +601,28 @@ def test_api_keys(nx: Nixl) -> None:
     hdrs = {"Authorization": "Bearer wrong", "X-Request-Id": "auth-1"}
     status, resp_headers, _ = http_call(r.url() + "/v1/completions", "POST", b"{}", hdrs)
     assert status == 401 and resp_headers["x-request-id"] == "auth-1"
+
+
+def test_metrics_token_opens_metrics_only(nx: Nixl, tmp_path: Path) -> None:
+    tokens = tmp_path / "metrics-token"
+    tokens.write_text("scrape-token\n")
+    r = nx.router(
+        "nx-router-metrics-token",
+        {"auth": {"protectMetrics": True, "metricsTokensFile": str(tokens)}},
+        env={"PD_ROUTER_API_KEYS": "sekrit"},
+    )
+    bearer = {"Authorization": "Bearer scrape-token"}
+    status, _, body = http_call(r.url() + "/metrics", headers=bearer)
+    assert status == 200 and b"pd_router_requests_total" in body
+    assert http_call(r.url() + "/metrics", headers={"Authorization": "Bearer sekrit"})[0] == 200
+    assert http_call(r.url() + "/metrics")[0] == 401
+    assert http_call(r.url() + "/metrics", headers={"Authorization": "Bearer nope"})[0] == 401
+    # the scrape token is no API key
+    assert http_call(r.url() + "/v1/models", headers=bearer)[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(r, api_key="scrape-token").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
 
 
 def test_dns_discovery(nx: Nixl) -> None:

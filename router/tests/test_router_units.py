@@ -98,3 +98,24 @@ def test_sim_disaggregated_continuation_equals_direct() -> None:
 )
 def test_validate(body: object, chat: bool, ok: bool) -> None:
     assert (validate(body, chat) is None) is ok
+
+
+def test_preset_label_values_are_the_ones_the_router_records() -> None:
+    """metrics.py creates these children at 0 at start-up; a value app.py records but the preset
+    lacks would be born at 1, an increase rate() and the chart's alerts never see."""
+    import re
+    from pathlib import Path
+
+    from pd_router import metrics
+
+    src = (Path(metrics.__file__).parent / "app.py").read_text()
+    reasons = set(re.findall(r'_fallback\(request, ctx, raw, body, "(\w+)"\)', src))
+    reasons |= set(re.findall(r'fallbacks\.labels\("(\w+)"\)', src))
+    reasons |= set(re.findall(r'return "(prefill_\w+)" if', src)) | {"prefill_error"}
+    assert reasons and reasons <= set(metrics.FALLBACK_REASONS), reasons - set(
+        metrics.FALLBACK_REASONS
+    )
+    assert set(re.findall(r'rejected\.labels\("(\w+)"\)', src)) == set(metrics.REJECT_REASONS)
+    text = metrics.Metrics().render().decode()
+    assert 'pd_router_fallbacks_total{reason="notify_timeout"} 0.0' in text
+    assert 'pd_router_requests_total{outcome="rejected",route="none"} 0.0' in text

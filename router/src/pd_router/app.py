@@ -188,11 +188,21 @@ class Router:
         self.prefill = EndpointPool("prefill", cfg.pools.prefill, cfg.health, on_change)
         self.decode = EndpointPool("decode", cfg.pools.decode, cfg.health, on_change)
         self.keys = ApiKeys(cfg.auth.api_keys_file)
+        self.metrics_tokens = ApiKeys(
+            cfg.auth.metrics_tokens_file, field="auth.metricsTokensFile", env_var=""
+        )
+        if cfg.auth.protect_metrics and not (self.keys.enabled or self.metrics_tokens.enabled):
+            log.warning(
+                "auth.protectMetrics is on but no API key or metrics token is configured: "
+                "/metrics is open"
+            )
         self.counter = TokenCounter(cfg.model.tokenizer, cfg.model.served_name)
         self.lmcache = cfg.routing.connector == "lmcache"
         # notificationReceiver router: this process binds the ZMQ PULL socket (one replica);
         # prefillSidecar: the prefill pod's sidecar is asked (no socket, replicas scale)
         self.sidecar = cfg.lmcache.notification_receiver == "prefillSidecar"
+        if self.lmcache:
+            self.metrics.preset_lmcache(cfg.lmcache.notification_receiver)
         self.listener: handoff_lmcache.NotifyListener | None = None
         self.session: aiohttp.ClientSession | None = None  # health checks, /tokenize
         self.up = UpstreamClient(cfg.timeouts.connect_seconds)  # hot path
@@ -255,13 +265,14 @@ class Router:
             cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: skip cookie work
         )
         await asyncio.gather(self.prefill.start(self.session), self.decode.start(self.session))
-        if self.cfg.auth.api_keys_file:
+        if self.cfg.auth.api_keys_file or self.cfg.auth.metrics_tokens_file:
             self._bg.append(asyncio.get_running_loop().create_task(self._keys_loop()))
 
     async def _keys_loop(self) -> None:
         while True:
             await asyncio.sleep(10)
             self.keys.maybe_reload()
+            self.metrics_tokens.maybe_reload()
 
     async def stop(self) -> None:
         for t in self._bg:
@@ -283,6 +294,15 @@ class Router:
 
     def _authorized(self, request: web.Request) -> bool:
         return self.keys.check(request.headers.get("Authorization"))
+
+    def _metrics_authorized(self, request: web.Request) -> bool:
+        """/metrics under ``protectMetrics``: an API key or a metrics-only token."""
+        if not self.cfg.auth.protect_metrics:
+            return True
+        if not (self.keys.enabled or self.metrics_tokens.enabled):
+            return True  # no credential configured anywhere (warned at start-up)
+        header = request.headers.get("Authorization")
+        return self.keys.matches(header) or self.metrics_tokens.matches(header)
 
     async def _acquire(self) -> None:
         lim = self.cfg.limits
@@ -349,8 +369,10 @@ class Router:
         )
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        if self.cfg.auth.protect_metrics and not self._authorized(request):
-            return error_response(401, "invalid or missing API key", "authentication_error")
+        if not self._metrics_authorized(request):
+            return error_response(
+                401, "invalid or missing API key or metrics token", "authentication_error"
+            )
         self.metrics.in_flight.set(self.in_flight)
         for pool in (self.prefill, self.decode):
             self.metrics.outstanding.labels(pool.name).set(

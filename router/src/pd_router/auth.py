@@ -15,15 +15,22 @@ ENV_KEYS = "PD_ROUTER_API_KEYS"
 class ApiKeys:
     """Holds the accepted keys; ``check`` compares in constant time against every key."""
 
-    def __init__(self, keys_file: str = "", env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        keys_file: str = "",
+        env: Mapping[str, str] | None = None,
+        field: str = "auth.apiKeysFile",
+        env_var: str = ENV_KEYS,
+    ) -> None:
         self.keys_file = keys_file
         self.env = os.environ if env is None else env
+        self.env_var = env_var
         self._mtime: float | None = None
         self._keys: list[bytes] = []
         try:
             self.reload()
         except (OSError, UnicodeDecodeError) as exc:
-            msg = f"auth.apiKeysFile: cannot read {keys_file!r}: {exc}"
+            msg = f"{field}: cannot read {keys_file!r}: {exc}"
             raise ConfigError(msg) from None
 
     def _read(self) -> list[str]:
@@ -31,7 +38,8 @@ class ApiKeys:
         if self.keys_file:
             text = Path(self.keys_file).read_text(encoding="utf-8")
             keys += [ln.strip() for ln in text.splitlines()]
-        keys += [k.strip() for k in self.env.get(ENV_KEYS, "").split(",")]
+        if self.env_var:
+            keys += [k.strip() for k in self.env.get(self.env_var, "").split(",")]
         return [k for k in keys if k and not k.startswith("#")]
 
     def reload(self) -> None:
@@ -56,8 +64,13 @@ class ApiKeys:
         return bool(self._keys)
 
     def check(self, authorization: str | None) -> bool:
+        """True when the header carries one of the keys, or when there are no keys at all."""
         if not self._keys:
             return True
+        return self.matches(authorization)
+
+    def matches(self, authorization: str | None) -> bool:
+        """True only when the header carries one of the keys (False when there are none)."""
         if not authorization or not authorization.startswith("Bearer "):
             return False
         # header bytes that are not UTF-8 arrive as surrogate escapes: compare them as bytes

@@ -139,6 +139,9 @@ class Limits:
 class Auth:
     api_keys_file: str = ""
     protect_metrics: bool = False
+    # Tokens that open /metrics and nothing else (Prometheus' scrape credential): a scraper
+    # never holds a key that can also spend GPU time.
+    metrics_tokens_file: str = ""
 
 
 @dataclass(frozen=True)

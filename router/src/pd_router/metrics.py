@@ -9,6 +9,23 @@ _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TOK = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
+# Label values created at start-up with a count of 0, so the first event is an increase that
+# rate() and the chart's alerts see (a series born at 1 has no increase) and a fresh release shows
+# on the dashboard. tests check that these are the values app.py records.
+ROUTES_OUTCOMES = (
+    ("direct", "ok"),
+    ("disaggregated", "ok"),
+    ("fallback", "ok"),
+    ("none", "rejected"),
+)
+FALLBACK_REASONS = (
+    "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
+    "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry",
+)  # fmt: skip
+REJECT_REASONS = ("queue_full", "queue_timeout")
+SIDECAR_OUTCOMES = ("ok", "timeout", "error")
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
@@ -108,6 +125,22 @@ class Metrics:
         self.client_disconnects = Counter(
             "pd_router_client_disconnects", "Clients that went away mid-request", registry=r
         )
+
+        for route, outcome in ROUTES_OUTCOMES:
+            self.requests.labels(route, outcome)
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+
+    def preset_lmcache(self, receiver: str) -> None:
+        """The LMCache hand-off's counters, for the notification receiver in use."""
+        if receiver == "router":
+            for result in ("matched", "unknown", "malformed"):
+                self.notifications.labels(result)
+        else:
+            for outcome in SIDECAR_OUTCOMES:
+                self.sidecar_waits.labels(outcome)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
