@@ -48,9 +48,13 @@ lint: helm ## The checks users run in their CI (ci/check.sh), plus ruff
 	@scripts/install-tools.sh checkov
 	ci/check.sh
 
-render: helm ## Print the manifests of values/$(ENV).yaml (e.g. make render ENV=prod)
+render: helm ## Print an environment's manifests exactly as its Argo CD Application renders them (e.g. make render ENV=prod; a values/ENV.yaml outside the catalog renders as RELEASE in NAMESPACE)
 	@test -f values/$(ENV).yaml || { echo "render: no values/$(ENV).yaml" >&2; exit 2; }
-	@$(HELM) template $(RELEASE) $(CHART) --namespace $(NAMESPACE) $(foreach f,$(shell $(PY) ci/envs.py files $(ENV)),-f $(f))
+	@if args=$$($(PY) ci/gitops.py helm-args $(ENV) 2>/dev/null); then \
+	  $(HELM) $$args $$($(PY) ci/gitops.py capabilities); \
+	else \
+	  $(HELM) template $(RELEASE) $(CHART) --namespace $(NAMESPACE) $(foreach f,$(shell $(PY) ci/envs.py files $(ENV)),-f $(f)) $$($(PY) ci/gitops.py capabilities); \
+	fi
 
 snapshot: helm ## Refresh the committed snapshot of the default render (review its diff)
 	$(PY) -m tests.snapshot --update

@@ -55,6 +55,11 @@ def schemas() -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
+def api_versions() -> list[str]:
+    """`group/version/Kind` of every served custom kind in ci/crds/ (what `--api-versions` takes)."""
+    return [f"{api}/{kind}" for api, kind in sorted(schemas())]
+
+
 def is_custom_resource(doc: dict[str, Any]) -> bool:
     """Not a built-in kind: its API group has a dot and is not one of Kubernetes' *.k8s.io groups."""
     group = str(doc.get("apiVersion", "")).rpartition("/")[0]

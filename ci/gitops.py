@@ -16,6 +16,7 @@ is installed).
 
     python ci/gitops.py apps               # the Applications the ApplicationSet generates (YAML)
     python ci/gitops.py helm-args ENV      # the helm template arguments Argo CD uses for ENV
+    python ci/gitops.py capabilities       # the cluster capabilities CI assumes (helm arguments)
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ci import crd_schema  # noqa: E402
+
 ARGOCD = ROOT / "argocd"
 LOCAL_CONFIG = "config.kubernetes.io/local-config"
-# What Argo CD passes from the target cluster; CI assumes the oldest supported Kubernetes with the
-# Prometheus Operator and KEDA installed (the environments' monitors and ScaledObject need them).
-CLUSTER_CAPABILITIES = [
-    "--kube-version", "1.29.0",
-    "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
-    "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
-    "--api-versions", "keda.sh/v1alpha1/ScaledObject",
-]  # fmt: skip
+# What Argo CD passes from the target cluster; CI assumes the oldest supported Kubernetes with
+# every CRD of ci/crds/ installed (Argo CD, the Prometheus Operator, KEDA: the environments'
+# monitors, PrometheusRule and ScaledObject need them). `make render` passes the same.
+CLUSTER_CAPABILITIES = ["--kube-version", "1.29.0"] + [
+    arg for api in crd_schema.api_versions() for arg in ("--api-versions", api)
+]
 
 
 class GitOpsError(Exception):
@@ -382,6 +384,9 @@ def helm_template_args(app: dict[str, Any], root: Path = ROOT) -> list[str]:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["apps"]:
         yaml.safe_dump_all(applications(), sys.stdout, sort_keys=False)
+        return 0
+    if argv == ["capabilities"]:
+        print("\n".join(CLUSTER_CAPABILITIES))
         return 0
     if len(argv) == 2 and argv[0] == "helm-args":
         apps = environment_applications()

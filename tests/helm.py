@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from ci import gitops
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "pd-inference"
 VALUES = ROOT / "values"
@@ -58,9 +60,13 @@ def template(
     chart: Path = CHART,
     release: str = RELEASE,
     namespace: str = NAMESPACE,
+    capabilities: bool = True,
 ) -> Result:
-    """`helm template`; `values_yaml` is written to a temp file and layered last."""
+    """`helm template`; `values_yaml` is written to a temp file and layered last. With
+    `capabilities`, the API versions Argo CD would pass from a cluster with every CRD of ci/crds/."""
     args = [str(helm), "template", release, str(chart), "--namespace", namespace, "--kube-version", KUBE_VERSION]
+    if capabilities:
+        args += gitops.CLUSTER_CAPABILITIES[2:]
     for f in files:
         args += ["-f", str(ROOT / f)]
     if values_yaml is not None:
@@ -84,7 +90,17 @@ def _values_file(text: str) -> Path:
 
 
 def lint(helm: Path, files: tuple[str, ...] = ()) -> Result:
-    args = [str(helm), "lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION]
+    # helm lint takes no --api-versions: it renders the custom resources by crds.assumeInstalled.
+    args = [
+        str(helm),
+        "lint",
+        "--strict",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        "crds.assumeInstalled=true",
+    ]
     for f in files:
         args += ["-f", str(ROOT / f)]
     return _run(tuple(args))

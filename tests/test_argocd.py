@@ -265,7 +265,7 @@ def test_argocd_render_is_valid_kubernetes(env: str) -> None:
 
 @pytest.mark.parametrize("env", sorted(ENVS))
 def test_argocd_render_equals_make_render_without_the_test_hook(env: str) -> None:
-    """The Application renders what `make render ENV=...` and the chart tests render, minus the helm test Pod."""
+    """The Application renders what the chart tests render, minus the helm test Pod."""
     plain = helm.render(
         helm.helm_binaries()[0],
         tuple(ENVS[env]["valueFiles"]),
@@ -275,6 +275,13 @@ def test_argocd_render_equals_make_render_without_the_test_hook(env: str) -> Non
     hooks = [d for d in plain if "helm.sh/hook" in d["metadata"].get("annotations", {})]
     assert [(d["kind"], d["metadata"]["annotations"]["helm.sh/hook"]) for d in hooks] == [("Pod", "test")]
     assert argo_render(env) == [d for d in plain if d not in hooks]
+
+
+def test_make_render_prints_what_argo_cd_applies() -> None:
+    """`make render ENV=prod` is what a user reviews: the Application's render, monitors included."""
+    proc = subprocess.run(["make", "-s", "render", "ENV=prod"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert [d for d in yaml.safe_load_all(proc.stdout) if d] == argo_render("prod")
 
 
 # --- the AppProject permits exactly what the chart needs --------------------------------------

@@ -66,6 +66,45 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "threshold_not_below_max_len": ("router:\n  threshold: 5000\nmodel:\n  maxModelLen: 4096\n", ("router.threshold",)),
     "protect_metrics_without_keys": ("router:\n  auth:\n    protectMetrics: true\n", ("router.auth.protectMetrics",)),
+    # Prometheus would get 401 on every scrape of a protected router.
+    "protected_metrics_scraped_without_a_token": (
+        "router:\n  auth:\n    existingSecret: keys\n    protectMetrics: true\nmetrics:\n  serviceMonitor:\n    enabled: true\n",
+        ("router.auth.metricsTokenSecret.name", "metrics.serviceMonitor.enabled"),
+    ),
+    "metrics_token_without_protected_metrics": (
+        "router:\n  auth:\n    metricsTokenSecret:\n      name: tok\n",
+        ("router.auth.metricsTokenSecret.name", "router.auth.protectMetrics"),
+    ),
+    "keda_queue_trigger_without_prometheus": (
+        "decode:\n  autoscaling:\n    enabled: true\n    kind: keda\n    targetWaitingPerReplica: 8\n"
+        "metrics:\n  podMonitor:\n    enabled: true\n",
+        ("metrics.prometheusUrl",),
+    ),
+    "queue_autoscaling_without_the_podmonitor": (
+        "decode:\n  autoscaling:\n    enabled: true\n    targetWaitingPerReplica: 8\n",
+        ("metrics.podMonitor.enabled", "decode.autoscaling.targetWaitingPerReplica"),
+    ),
+    "hpa_without_a_signal": (
+        "prefill:\n  autoscaling:\n    enabled: true\n",
+        ("prefill.autoscaling.targetWaitingPerReplica",),
+    ),
+    "alerts_without_the_engine_monitor": (
+        "metrics:\n  serviceMonitor: {enabled: true}\n  prometheusRule: {enabled: true}\n",
+        ("metrics.prometheusRule.enabled", "metrics.podMonitor.enabled"),
+    ),
+    "alert_labels_overriding_severity": (
+        "metrics:\n  serviceMonitor: {enabled: true}\n  podMonitor: {enabled: true}\n"
+        "  prometheusRule:\n    enabled: true\n    alertLabels: {severity: page}\n",
+        ("metrics.prometheusRule.alertLabels.severity",),
+    ),
+    "metrics_token_key_with_a_slash": (
+        "router:\n  auth:\n    metricsTokenSecret:\n      key: a/b\n",
+        ("/router/auth/metricsTokenSecret/key",),
+    ),
+    "alert_threshold_above_one": (
+        "metrics:\n  prometheusRule:\n    thresholds:\n      fallbackShare: 1.5\n",
+        ("/metrics/prometheusRule/thresholds/fallbackShare",),
+    ),
     "bad_notification_receiver": (
         "kvTransfer:\n  lmcache:\n    notificationReceiver: decoder\n",
         ("/kvTransfer/lmcache/notificationReceiver",),

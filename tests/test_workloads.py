@@ -275,14 +275,37 @@ def test_router_autoscaling_with_the_notification_sidecar(h4: Path) -> None:
     assert helm.one(docs, "PodDisruptionBudget", "-router")  # minReplicas 2
 
 
-@pytest.mark.parametrize(
-    "kind,value", [("ServiceMonitor", "metrics.serviceMonitor.enabled"), ("PodMonitor", "metrics.podMonitor.enabled")]
-)
-def test_monitors_need_the_crd_and_the_value(h4: Path, kind: str, value: str) -> None:
-    crd = ("--api-versions", f"monitoring.coreos.com/v1/{kind}")
-    assert not helm.find(helm.render(h4, sets=(f"{value}=true",)), kind)
-    assert not helm.find(helm.render(h4, extra=crd), kind)
-    assert len(helm.find(helm.render(h4, sets=(f"{value}=true",), extra=crd), kind)) == 1
+CUSTOM_KINDS = {
+    # kind: (its API as --api-versions names it, the value that turns it on, the field a refusal names)
+    "ServiceMonitor": ("monitoring.coreos.com/v1/ServiceMonitor", ("metrics.serviceMonitor.enabled=true",), "metrics.serviceMonitor.enabled"),
+    "PodMonitor": ("monitoring.coreos.com/v1/PodMonitor", ("metrics.podMonitor.enabled=true",), "metrics.podMonitor.enabled"),
+    "PrometheusRule": (
+        "monitoring.coreos.com/v1/PrometheusRule",
+        ("metrics.prometheusRule.enabled=true", "metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"),
+        "metrics.prometheusRule.enabled",
+    ),
+    "ScaledObject": (
+        "keda.sh/v1alpha1/ScaledObject",
+        ("decode.autoscaling.enabled=true", "decode.autoscaling.kind=keda", "decode.autoscaling.targetWaitingPerReplica=4",
+         "metrics.prometheusUrl=http://prometheus:9090", "metrics.podMonitor.enabled=true"),
+        "decode.autoscaling.kind",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", CUSTOM_KINDS)
+def test_custom_resources_are_gated_alike(h4: Path, kind: str) -> None:
+    """Every custom kind: off by default; on, rendered where Helm reports its API (or
+    crds.assumeInstalled); on without the API, a refusal naming the value, never a silent drop."""
+    api, sets, field = CUSTOM_KINDS[kind]
+    only = ("--api-versions", api)
+    assert not helm.find(helm.render(h4), kind)
+    others = tuple(f"--api-versions={a}" for k, (a, _, _) in CUSTOM_KINDS.items() if k != kind)
+    assert len(helm.find(helm.render(h4, sets=sets, extra=(*only, *others), capabilities=False), kind)) == 1
+    refused = helm.template(h4, sets=sets, extra=others, capabilities=False)
+    assert refused.returncode != 0 and field in refused.stderr and api in refused.stderr, refused.stderr
+    forced = helm.render(h4, sets=(*sets, "crds.assumeInstalled=true"), capabilities=False)
+    assert len(helm.find(forced, kind)) == 1
 
 
 def test_helm_test_pod_sends_a_short_and_a_long_request(h4: Path) -> None:

@@ -67,6 +67,8 @@ def test_custom_resources_pass_strict_server_side_validation(cluster: ControlPla
     if env == "dev":
         assert custom == []  # dev renders no monitor and no autoscaler
         return
+    if env == "prod":  # every custom kind the chart has
+        assert {d["kind"] for d in custom} == {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
     ns = f"crs-{env}"
     cluster.apply([fleet.namespace(ns, "restricted")])
     for doc in custom:

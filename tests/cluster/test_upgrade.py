@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ci import envs
+from ci import envs, gitops
 from ci import upgrade_safety as us
 from tests import helm
 from tests.cluster import fleet
@@ -192,6 +192,7 @@ def render(chart: Path, env: str, ns: str) -> list[dict[str, Any]]:
         ns,
         *values(helm.ROOT, env),
         "--skip-tests",
+        *gitops.CLUSTER_CAPABILITIES[2:],  # the environments' monitors and rules need their APIs
     ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True)
     return [d for d in yaml.safe_load_all(proc.stdout) if d]

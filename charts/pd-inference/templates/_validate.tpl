@@ -127,11 +127,18 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- if gt (int $r.autoscaling.minReplicas) (int $r.autoscaling.maxReplicas) -}}
 {{- fail (printf "%s.autoscaling.minReplicas: %d is above %s.autoscaling.maxReplicas (%d)" $role (int $r.autoscaling.minReplicas) $role (int $r.autoscaling.maxReplicas)) -}}
 {{- end -}}
-{{- if and (eq $r.autoscaling.kind "hpa") (empty $r.autoscaling.metrics) -}}
-{{- fail (printf "%s.autoscaling.metrics: give at least one metric for kind=hpa (CPU says little about a GPU engine's load)" $role) -}}
+{{- $queue := gt (int $r.autoscaling.targetWaitingPerReplica) 0 -}}
+{{- if and (eq $r.autoscaling.kind "hpa") (not $queue) (empty $r.autoscaling.metrics) -}}
+{{- fail (printf "%s.autoscaling.targetWaitingPerReplica: set it (or give %s.autoscaling.metrics) for kind=hpa; CPU says little about a GPU engine's load" $role $role) -}}
 {{- end -}}
-{{- if and (eq $r.autoscaling.kind "keda") (empty $r.autoscaling.kedaTriggers) -}}
-{{- fail (printf "%s.autoscaling.kedaTriggers: give at least one trigger for kind=keda" $role) -}}
+{{- if and (eq $r.autoscaling.kind "keda") (not $queue) (empty $r.autoscaling.kedaTriggers) -}}
+{{- fail (printf "%s.autoscaling.targetWaitingPerReplica: set it (or give %s.autoscaling.kedaTriggers) for kind=keda" $role $role) -}}
+{{- end -}}
+{{- if and (eq $r.autoscaling.kind "keda") $queue (not $v.metrics.prometheusUrl) -}}
+{{- fail (printf "metrics.prometheusUrl: %s.autoscaling.targetWaitingPerReplica makes a KEDA prometheus trigger, which needs the Prometheus to query" $role) -}}
+{{- end -}}
+{{- if and $queue (not $v.metrics.podMonitor.enabled) -}}
+{{- fail (printf "metrics.podMonitor.enabled: %s.autoscaling.targetWaitingPerReplica scales on the engines' scraped vllm:num_requests_waiting, which only the chart's PodMonitor labels with namespace, release and component" $role) -}}
 {{- end -}}
 {{- end -}}
 {{- /* A pinned zone must agree with any zone the user pins elsewhere. */ -}}
@@ -161,6 +168,18 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail (printf "router.threshold: %d tokens is not below model.maxModelLen (%d), so no request could ever be disaggregated" (int $v.router.threshold) (int $v.model.maxModelLen)) -}}
 {{- end -}}
 {{- if and $v.router.auth.protectMetrics (not $v.router.auth.existingSecret) -}}
-{{- fail "router.auth.protectMetrics: needs router.auth.existingSecret (the API keys that would protect /metrics)" -}}
+{{- fail "router.auth.protectMetrics: needs router.auth.existingSecret (API keys): protecting /metrics while the API stays open protects nothing worth it" -}}
+{{- end -}}
+{{- if and $v.metrics.prometheusRule.enabled (not (and $v.metrics.serviceMonitor.enabled $v.metrics.podMonitor.enabled)) -}}
+{{- fail "metrics.prometheusRule.enabled: the alerts compare the router's series with the engines', so they need metrics.serviceMonitor.enabled and metrics.podMonitor.enabled (with one missing, PDInferenceKVTransferStalled would page on every request)" -}}
+{{- end -}}
+{{- if hasKey $v.metrics.prometheusRule.alertLabels "severity" -}}
+{{- fail "metrics.prometheusRule.alertLabels.severity: each alert sets its own severity (critical or warning); route on it instead" -}}
+{{- end -}}
+{{- if and $v.router.auth.metricsTokenSecret.name (not $v.router.auth.protectMetrics) -}}
+{{- fail "router.auth.metricsTokenSecret.name: a metrics token is only used with router.auth.protectMetrics: true (an unprotected /metrics needs none)" -}}
+{{- end -}}
+{{- if and $v.router.auth.protectMetrics $v.metrics.serviceMonitor.enabled (not $v.router.auth.metricsTokenSecret.name) -}}
+{{- fail "router.auth.metricsTokenSecret.name: the router's /metrics is protected (router.auth.protectMetrics) and metrics.serviceMonitor.enabled, so Prometheus needs a credential: name a Secret whose key router.auth.metricsTokenSecret.key holds a metrics-only token" -}}
 {{- end -}}
 {{- end -}}

@@ -30,12 +30,13 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
   "timeouts" (dict "clientBodySeconds" (int $r.timeouts.clientBodySeconds) "connectSeconds" (int $r.timeouts.connectSeconds) "prefillSeconds" (int $r.timeouts.prefillSeconds) "firstByteSeconds" (int $r.timeouts.firstByteSeconds) "streamIdleSeconds" (int $r.timeouts.streamIdleSeconds))
   "health" (dict "path" "/health" "intervalSeconds" (int $r.health.intervalSeconds) "timeoutSeconds" (int $r.health.timeoutSeconds) "healthyThreshold" (int $r.health.healthyThreshold) "unhealthyThreshold" (int $r.health.unhealthyThreshold) "passiveFailureThreshold" (int $r.health.passiveFailureThreshold))
   "limits" (dict "maxInFlight" (int $r.limits.maxInFlight) "maxQueued" (int $r.limits.maxQueued) "queueTimeoutSeconds" (int $r.limits.queueTimeoutSeconds) "maxBodyBytes" (int64 $r.limits.maxBodyBytes))
-  "auth" (dict "apiKeysFile" (ternary (printf "%s/%s" (include "pd-inference.routerKeysDir" .) $r.auth.secretKey) "" (not (empty $r.auth.existingSecret))) "protectMetrics" $r.auth.protectMetrics)
+  "auth" (dict "apiKeysFile" (ternary (printf "%s/%s" (include "pd-inference.routerKeysDir" .) $r.auth.secretKey) "" (not (empty $r.auth.existingSecret))) "protectMetrics" $r.auth.protectMetrics "metricsTokensFile" (ternary (printf "%s/%s" (include "pd-inference.routerMetricsTokenDir" .) $r.auth.metricsTokenSecret.key) "" (not (empty $r.auth.metricsTokenSecret.name))))
   "logging" (dict "level" $r.logLevel "logPrompts" $r.logPrompts)
 -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
 {{- define "pd-inference.routerKeysDir" -}}/etc/pd-router/api-keys{{- end -}}
+{{- define "pd-inference.routerMetricsTokenDir" -}}/etc/pd-router/metrics-token{{- end -}}
 {{- define "pd-inference.routerConfigDir" -}}/etc/pd-router{{- end -}}
 {{- define "pd-inference.routerConfigFile" -}}router.yaml{{- end -}}
