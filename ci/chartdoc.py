@@ -21,9 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pd_router import config as router_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "pd-inference"
+# The router's own limits the chart must respect, generated from pd_router.config (make docs) and
+# read by templates/_validate.tpl, so the two cannot drift.
+ROUTER_LIMITS = CHART / "files" / "router-limits.yaml"
 VALUES = CHART / "values.yaml"
 SCHEMA = CHART / "values.schema.json"
 README = CHART / "README.md"
@@ -46,6 +50,21 @@ QUANTITY = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([EPTGMk]i?|[numkMG
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 DIGEST = {"type": "string", "pattern": r"^(sha256:[a-f0-9]{64})?$"}
 PULL_POLICY = {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]}
+# Kubernetes syntax (apimachinery validation): DNS-1123 subdomains (Secret names), labels, keys.
+DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+SECRET_NAME = {"type": "string", "pattern": rf"^({DNS_SUBDOMAIN})?$", "maxLength": 253}
+SECRET_KEY = {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$", "maxLength": 253}
+# Label keys are checked in templates/_validate.tpl (a propertyNames error would not name the field).
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+LABEL_MAP = {"type": "object", "additionalProperties": {"type": "string", "pattern": LABEL_VALUE}}
+ANNOTATION_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+PROM_LABEL_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+# distribution/reference: [host[:port]/]path with lower-case components; a tag of 1-128 word characters
+IMAGE_REPOSITORY = {
+    "pattern": r"^([a-zA-Z0-9]([-a-zA-Z0-9.]*[a-zA-Z0-9])?(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*$"
+}
+MAPS = (STRING_MAP, LABEL_MAP, ANNOTATION_MAP, PROM_LABEL_MAP)
+IMAGE_TAG = {"pattern": r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"}
 
 
 def ref(name: str) -> dict[str, Any]:
@@ -60,7 +79,7 @@ ROLE = "{prefill,decode}"
 # Rules by dotted path; `{a,b}` matches either, `*` any one key. Later rules refine earlier ones.
 RULES: list[tuple[str, dict[str, Any]]] = [
     ("ports.*", PORT),
-    ("commonLabels", STRING_MAP),
+    ("commonLabels", LABEL_MAP),
     ("model.maxModelLen", {"minimum": 1}),
     ("model.kvShape.{layers,kvHeads,headDim}", {"minimum": 0}),
     ("model.attention", {"enum": ["", "full", "hybrid"]}),
@@ -68,9 +87,17 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("model.revision", {"pattern": r"^\S*$"}),
     ("model.hubEndpoint", {"pattern": r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$"}),
     ("{engineImage,router.image}.digest", DIGEST),
+    ("{engineImage,router.image}.repository", IMAGE_REPOSITORY),
+    ("{engineImage,router.image}.tag", IMAGE_TAG),
+    ("{model.hfTokenSecret.name,router.auth.existingSecret}", SECRET_NAME),
+    ("{model.hfTokenSecret.key,router.auth.secretKey}", SECRET_KEY),
+    (
+        "imagePullSecrets",
+        {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": rf"^{DNS_SUBDOMAIN}$"}},
+    ),
+    ("{nameOverride,fullnameOverride}", {"pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 44}),
     ("{engineImage,router.image}.pullPolicy", PULL_POLICY),
     ("engineImage.{repository,tag}", {"minLength": 1}),
-    ("imagePullSecrets", {"type": "array", "items": {"type": "string", "minLength": 1}}),
     ("kvTransfer.connector", {"enum": ["lmcache", "nixl"]}),
     ("engine.preflight.python", {"minLength": 1, "pattern": r"^\S+$"}),
     ("engine.preflight.timeoutSeconds", {"minimum": 1}),
@@ -82,6 +109,7 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("kvTransfer.nixl.bufferDevice", {"enum": ["cuda", "cpu"]}),
     ("kvTransfer.lmcache.notificationReceiver", {"enum": ["router", "prefillSidecar"]}),
     ("kvTransfer.lmcache.sidecar.resources", ref("core.v1.ResourceRequirements")),
+    ("engine.metricsProxy.resources", ref("core.v1.ResourceRequirements")),
     ("efa.devices", {"minimum": 1}),
     ("efa.hugepages2Mi", QUANTITY),
     ("modelCache.type", {"enum": ["pvc", "hostPath", "emptyDir"]}),
@@ -108,17 +136,23 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("engine.terminationGracePeriodSeconds", {"minimum": 0}),
     ("engine.probes.*.*", {"minimum": 1}),
     (f"{ROLE}.replicas", {"minimum": 0}),
+    # no decoder: the router never turns ready and every request gets 503
+    ("decode.replicas", {"minimum": 1}),
     (f"{ROLE}.tensorParallelSize", {"minimum": 1, "maximum": 64}),
     (f"{ROLE}.gpuMemoryUtilization", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     (f"{ROLE}.extraArgs", {"type": "array", "items": {"type": "string"}}),
     (f"{ROLE}.env", array_of("core.v1.EnvVar")),
     (f"{{{ROLE[1:-1]},router}}.resources", ref("core.v1.ResourceRequirements")),
     (f"{ROLE}.shmSize", QUANTITY),
-    (f"{{{ROLE[1:-1]},router}}.{{nodeSelector,podAnnotations,podLabels}}", STRING_MAP),
+    (f"{{{ROLE[1:-1]},router}}.{{nodeSelector,podLabels}}", LABEL_MAP),
+    (f"{{{ROLE[1:-1]},router}}.podAnnotations", ANNOTATION_MAP),
     (f"{{{ROLE[1:-1]},router}}.tolerations", array_of("core.v1.Toleration")),
     (f"{{{ROLE[1:-1]},router}}.affinity", ref("core.v1.Affinity")),
     (f"{ROLE}.spreadAcrossNodes", {"enum": ["none", "preferred", "required"]}),
-    ("*.pdb.maxUnavailable", {"type": ["integer", "string"], "minimum": 0, "pattern": "^[0-9]+%?$"}),
+    (
+        "*.pdb.maxUnavailable",
+        {"type": ["integer", "string"], "minimum": 0, "pattern": "^([0-9]+|([0-9]|[1-9][0-9]|100)%)$"},
+    ),
     ("*.autoscaling.{minReplicas,maxReplicas}", {"minimum": 1}),
     (f"{ROLE}.autoscaling.kind", {"enum": ["hpa", "keda"]}),
     (f"{ROLE}.autoscaling.metrics", array_of("autoscaling.v2.MetricSpec")),
@@ -136,25 +170,30 @@ RULES: list[tuple[str, dict[str, Any]]] = [
     ("router.autoscaling.targetCPUUtilizationPercentage", {"minimum": 1, "maximum": 100}),
     ("router.replicas", {"minimum": 1}),
     ("router.threshold", {"minimum": 0}),
+    # the router's own rules (pd_router.config), so a value it would refuse at start-up never renders
+    ("router.sessionAffinityHeader", {"pattern": f"^({router_config.HEADER_NAME_RE})?$"}),
     ("router.discoveryRefreshSeconds", {"minimum": 1}),
     ("router.{timeouts,health}.*", {"minimum": 1}),
     ("router.limits.*", {"minimum": 1}),
     ("router.limits.maxQueued", {"minimum": 0}),
+    ("router.limits.maxBodyBytes", {"minimum": router_config.MIN_MAX_BODY_BYTES}),  # pd_router.config
     ("router.logLevel", {"enum": ["debug", "info", "warning", "error"]}),
     ("router.service.type", {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}),
     ("router.service.port", PORT),
-    ("{router.service,router.serviceAccount,engineServiceAccount}.annotations", STRING_MAP),
+    ("{router.service,router.serviceAccount,engineServiceAccount}.annotations", ANNOTATION_MAP),
     ("router.auth.secretKey", {"minLength": 1}),
     ("networkPolicy.{routerIngressFrom,metricsFrom}", array_of("networking.v1.NetworkPolicyPeer")),
+    ("networkPolicy.egress.{dnsTo,hubTo}", array_of("networking.v1.NetworkPolicyPeer")),
     ("metrics.*.interval", {"pattern": "^[0-9]+(ms|s|m|h)$"}),
-    ("metrics.*.labels", STRING_MAP),
-    ("metrics.{prometheusRule.alertLabels,grafanaDashboard.annotations}", STRING_MAP),
+    ("metrics.*.labels", LABEL_MAP),
+    ("metrics.grafanaDashboard.annotations", ANNOTATION_MAP),
+    ("metrics.prometheusRule.alertLabels", PROM_LABEL_MAP),
     ("metrics.prometheusUrl", {"pattern": r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$"}),
     ("metrics.prometheusRule.thresholds.*Share", {"exclusiveMinimum": 0, "maximum": 1}),
     ("metrics.prometheusRule.thresholds.kvCacheUsage", {"exclusiveMinimum": 0, "maximum": 1}),
     ("metrics.prometheusRule.thresholds.waitingRequests", {"minimum": 1}),
-    ("router.auth.metricsTokenSecret.name", {"pattern": r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?$"}),
-    ("router.auth.metricsTokenSecret.key", {"minLength": 1, "pattern": r"^[-._a-zA-Z0-9]+$"}),
+    ("router.auth.metricsTokenSecret.name", SECRET_NAME),
+    ("router.auth.metricsTokenSecret.key", {**SECRET_KEY, "minLength": 1}),
     ("metrics.grafanaDashboard.namespace", {"pattern": r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$"}),
     (f"{ROLE}.autoscaling.targetWaitingPerReplica", {"minimum": 0}),
     ("clusterDomain", {"minLength": 1}),
@@ -230,7 +269,7 @@ def _node(path: str, value: Any, docs: dict[str, str]) -> dict[str, Any]:
     node: dict[str, Any] = {"description": docs[path]}
     rules = _rules_for(path)
     # Objects holding Kubernetes data (a $ref or a string map) are typed by their rule, not walked.
-    if isinstance(value, dict) and not any("$ref" in r or r is STRING_MAP for r in rules):
+    if isinstance(value, dict) and not any("$ref" in r or any(r is m for m in MAPS) for r in rules):
         node["type"] = "object"
         node["additionalProperties"] = False
         node["properties"] = {k: _node(f"{path}.{k}", v, docs) for k, v in value.items()}
@@ -331,6 +370,17 @@ def render_readme(table: str) -> str:
     return text[:begin] + "\n" + table + "\n" + text[end:]
 
 
+def router_limits_text() -> str:
+    limits = {
+        "sidecarMaxNotificationsPerRequest": router_config.SIDECAR_MAX_COUNT,
+        "sidecarMaxNotifyTimeoutSeconds": int(router_config.SIDECAR_MAX_TIMEOUT),
+    }
+    return (
+        "# Generated by ci/chartdoc.py (make docs) from pd_router.config: the router refuses more.\n"
+        + yaml.safe_dump(limits)
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -344,11 +394,12 @@ def main() -> int:
         return 1
     schema_text = json.dumps(schema, indent=2) + "\n"
     readme_text = render_readme(build_table(schema))
+    files = ((SCHEMA, schema_text), (README, readme_text), (ROUTER_LIMITS, router_limits_text()))
     if args.write:
-        SCHEMA.write_text(schema_text)
-        README.write_text(readme_text)
+        for path, text in files:
+            path.write_text(text)
         return 0
-    stale = [p.relative_to(ROOT) for p, t in ((SCHEMA, schema_text), (README, readme_text)) if p.read_text() != t]
+    stale = [p.relative_to(ROOT) for p, t in files if not p.exists() or p.read_text() != t]
     if stale:
         print(f"chartdoc: {', '.join(map(str, stale))} out of date with values.yaml; run `make docs`", file=sys.stderr)
         return 1

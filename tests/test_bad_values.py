@@ -149,6 +149,170 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "efa:\n  enabled: true\n  devices: 1\nprefill:\n  instanceType: g6.2xlarge\n",
         ("efa.enabled", "g6.2xlarge has no EFA"),
     ),
+    # --- issue 11: the classes an outside attack got through (each refused naming the field) ---
+    "decode_tp_above_the_instance_types_gpus": (
+        "decode:\n  instanceType: g6.8xlarge\n  tensorParallelSize: 2\n",
+        ("decode.tensorParallelSize", "g6.8xlarge has 1"),
+    ),
+    "prefill_tp_not_sharding_the_kv_heads": (
+        "model:\n  kvShape: {layers: 32, kvHeads: 8, headDim: 128, bytesPerElement: 2}\nprefill:\n  tensorParallelSize: 3\n",
+        ("prefill.tensorParallelSize", "model.kvShape.kvHeads (8)"),
+    ),
+    "decode_tp_not_sharding_the_kv_heads": (
+        "model:\n  kvShape: {layers: 32, kvHeads: 8, headDim: 128, bytesPerElement: 2}\ndecode:\n  tensorParallelSize: 6\n",
+        ("decode.tensorParallelSize", "model.kvShape.kvHeads (8)"),
+    ),
+    "extra_args_repeat_tensor_parallel_size": (
+        "prefill:\n  extraArgs: ['--tensor-parallel-size=2']\n",
+        ("prefill.extraArgs", "prefill.tensorParallelSize"),
+    ),
+    "extra_args_repeat_tp_short_form": (
+        "decode:\n  extraArgs: ['-tp', '2']\n",
+        ("decode.extraArgs", "decode.tensorParallelSize"),
+    ),
+    "extra_args_repeat_kv_transfer_config": (
+        "decode:\n  extraArgs: ['--kv-transfer-config', '{}']\n",
+        ("decode.extraArgs", "kvTransfer"),
+    ),
+    "extra_args_repeat_max_model_len_with_underscores": (
+        "prefill:\n  extraArgs: ['--max_model_len=1024']\n",
+        ("prefill.extraArgs", "model.maxModelLen"),
+    ),
+    "extra_args_repeat_port": ("decode:\n  extraArgs: ['--port', '9000']\n", ("decode.extraArgs", "ports.engineHttp")),
+    "extra_args_repeat_served_model_name": (
+        "prefill:\n  extraArgs: ['--served-model-name=other']\n",
+        ("prefill.extraArgs", "model.servedName"),
+    ),
+    "extra_args_repeat_gpu_memory_utilization": (
+        "decode:\n  extraArgs: ['--gpu-memory-utilization', '0.5']\n",
+        ("decode.extraArgs", "decode.gpuMemoryUtilization"),
+    ),
+    "extra_args_repeat_model": (
+        "prefill:\n  extraArgs: ['--model', 'other/model']\n",
+        ("prefill.extraArgs", "model.name"),
+    ),
+    "engine_env_overrides_pythonhashseed": (
+        "engine:\n  env: [{name: PYTHONHASHSEED, value: '1'}]\n",
+        ("engine.env", "PYTHONHASHSEED"),
+    ),
+    "decode_env_overrides_the_nixl_side_channel": (
+        "decode:\n  env: [{name: VLLM_NIXL_SIDE_CHANNEL_PORT, value: '6000'}]\n",
+        ("decode.env", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
+    ),
+    "prefill_env_overrides_the_conv_state_layout": (
+        "prefill:\n  env: [{name: VLLM_SSM_CONV_STATE_LAYOUT, value: SD}]\n",
+        ("prefill.env", "VLLM_SSM_CONV_STATE_LAYOUT"),
+    ),
+    "engine_env_overrides_fi_provider_with_efa": (
+        "efa:\n  enabled: true\n  devices: 1\nengine:\n  env: [{name: FI_PROVIDER, value: tcp}]\n",
+        ("engine.env", "FI_PROVIDER"),
+    ),
+    "router_env_overrides_the_threshold": (
+        "router:\n  env: [{name: PD_ROUTER__ROUTING__THRESHOLD, value: '0'}]\n",
+        ("router.env", "PD_ROUTER__ROUTING__THRESHOLD"),
+    ),
+    "router_env_override_in_lower_case": (
+        "router:\n  env: [{name: pd_router__limits__maxinflight, value: '1'}]\n",
+        ("router.env", "pd_router__limits__maxinflight"),
+    ),
+    "ucx_over_efa": (
+        "efa:\n  enabled: true\n  devices: 1\nkvTransfer:\n  backend: UCX\n",
+        ("kvTransfer.backend", "UCX"),
+    ),
+    "region_selector_contradicts_the_zone": (
+        "placement:\n  zone: us-east-1a\nprefill:\n  nodeSelector: {topology.kubernetes.io/region: us-west-2}\n",
+        ("prefill.nodeSelector", "placement.zone=us-east-1a"),
+    ),
+    "engine_image_repository_not_a_reference": (
+        "engineImage:\n  repository: Not A Repo\n",
+        ("/engineImage/repository",),
+    ),
+    "router_image_tag_with_a_colon": ("router:\n  image:\n    tag: 'v1:2'\n", ("/router/image/tag",)),
+    "hf_token_secret_name_not_dns": ("model:\n  hfTokenSecret:\n    name: HF_Token\n", ("/model/hfTokenSecret/name",)),
+    "hf_token_secret_key_with_a_slash": (
+        "model:\n  hfTokenSecret:\n    name: hf\n    key: a/b\n",
+        ("/model/hfTokenSecret/key",),
+    ),
+    "api_keys_secret_name_not_dns": (
+        "router:\n  auth:\n    existingSecret: 'Keys!'\n",
+        ("/router/auth/existingSecret",),
+    ),
+    "image_pull_secret_not_dns": ("imagePullSecrets: ['My Secret']\n", ("/imagePullSecrets/0",)),
+    "cpu_request_not_a_quantity": (
+        "prefill:\n  resources:\n    requests: {cpu: '4 cores', memory: 32Gi}\n    limits: {memory: 64Gi}\n",
+        ("requests", "cpu"),
+    ),
+    "memory_request_above_its_limit": (
+        "decode:\n  resources:\n    requests: {cpu: '4', memory: 128Gi}\n    limits: {memory: 64Gi}\n",
+        ("decode.resources.requests.memory", "128Gi", "64Gi"),
+    ),
+    "router_cpu_request_above_its_limit": (
+        "router:\n  resources:\n    requests: {cpu: '2'}\n    limits: {cpu: 500m}\n",
+        ("router.resources.requests.cpu",),
+    ),
+    "label_key_with_a_space": ("commonLabels: {'bad key': x}\n", ("commonLabels", "bad key")),
+    "pod_label_value_with_a_space": ("prefill:\n  podLabels: {team: 'a b'}\n", ("/prefill/podLabels",)),
+    "label_value_over_63_characters": ("commonLabels: {team: " + "x" * 64 + "}\n", ("/commonLabels",)),
+    "pod_label_overrides_the_selector": (
+        "decode:\n  podLabels: {app.kubernetes.io/component: prefill}\n",
+        ("decode.podLabels.app.kubernetes.io/component",),
+    ),
+    "common_label_the_chart_sets": (
+        "commonLabels: {app.kubernetes.io/part-of: other}\n",
+        ("commonLabels.app.kubernetes.io/part-of",),
+    ),
+    "router_pod_label_the_chart_sets": (
+        "router:\n  podLabels: {helm.sh/chart: other}\n",
+        ("router.podLabels.helm.sh/chart",),
+    ),
+    "fullname_override_too_long_for_a_statefulset": ("fullnameOverride: " + "a" * 45 + "\n", ("/fullnameOverride",)),
+    "fullname_override_not_dns": ("fullnameOverride: My_Release\n", ("/fullnameOverride",)),
+    "name_override_too_long": ("nameOverride: " + "n" * 45 + "\n", ("/nameOverride",)),
+    "pdb_over_100_percent": ("prefill:\n  pdb:\n    maxUnavailable: 150%\n", ("/prefill/pdb/maxUnavailable",)),
+    "no_decoder": ("decode:\n  replicas: 0\n", ("/decode/replicas",)),
+    "pod_annotation_key_with_a_space": (
+        "decode:\n  podAnnotations: {'bad key': x}\n",
+        ("decode.podAnnotations", "bad key"),
+    ),
+    "node_selector_value_with_a_space": ("decode:\n  nodeSelector: {team: 'a b'}\n", ("/decode/nodeSelector",)),
+    "grafana_namespace_not_dns": (
+        "metrics:\n  grafanaDashboard:\n    enabled: true\n    namespace: Monitoring\n",
+        ("/metrics/grafanaDashboard/namespace",),
+    ),
+    "prometheus_url_without_a_scheme": ("metrics:\n  prometheusUrl: prometheus:9090\n", ("/metrics/prometheusUrl",)),
+    "alert_label_not_a_prometheus_label": (
+        "metrics:\n  prometheusRule:\n    alertLabels: {team-name: x}\n",
+        ("metrics.prometheusRule.alertLabels", "team-name"),
+    ),
+    "negative_queue_target": (
+        "decode:\n  autoscaling:\n    targetWaitingPerReplica: -1\n",
+        ("/decode/autoscaling/targetWaitingPerReplica",),
+    ),
+    "monitor_interval_with_a_space": (
+        "metrics:\n  podMonitor:\n    interval: 30 s\n",
+        ("/metrics/podMonitor/interval",),
+    ),
+    # the router's own start-up rules (pd_router.config, mirrored by ci/chartdoc.py)
+    "session_affinity_header_not_a_header_name": (
+        "router:\n  sessionAffinityHeader: X Session\n",
+        ("/router/sessionAffinityHeader",),
+    ),
+    "body_limit_below_the_routers_minimum": (
+        "router:\n  limits:\n    maxBodyBytes: 100\n",
+        ("/router/limits/maxBodyBytes",),
+    ),
+    "egress_hub_peer_not_a_peer": (
+        "networkPolicy:\n  egress:\n    hubTo: [{ipBlok: {cidr: 10.0.0.0/8}}]\n",
+        ("/networkPolicy/egress/hubTo/0",),
+    ),
+    "metrics_proxy_port_is_the_side_channel": (
+        "ports:\n  engineMetrics: 5600\n",
+        ("ports.engineMetrics", "ports.nixlSideChannel"),
+    ),
+    "decode_efa_on_an_instance_type_without_efa": (
+        "efa:\n  enabled: true\n  devices: 1\ndecode:\n  instanceType: g6.2xlarge\n",
+        ("efa.enabled", "g6.2xlarge has no EFA"),
+    ),
 }
 
 # The same, layered over tests/scenarios/lmcache.yaml (LMCache PD with a full-attention model): the
@@ -169,6 +333,22 @@ BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "kvTransfer:\n  lmcache:\n    notificationReceiver: prefillSidecar\nports:\n  notificationSidecar: 8000\n",
         ("ports.notificationSidecar", "ports.engineHttp"),
     ),
+    "sidecar_wait_above_the_routers_limit": (
+        "kvTransfer:\n  lmcache:\n    notificationReceiver: prefillSidecar\n    notifyTimeoutSeconds: 900\n",
+        ("kvTransfer.lmcache.notifyTimeoutSeconds", "600"),
+    ),
+    "chunk_above_the_max_model_len": (
+        "model:\n  maxModelLen: 4096\nkvTransfer:\n  lmcache:\n    chunkSize: 8192\n",
+        ("kvTransfer.lmcache.chunkSize", "model.maxModelLen (4096)"),
+    ),
+    "lmcache_receiver_ports_beyond_65535": (
+        "ports:\n  lmcacheInitBase: 65534\nprefill:\n  tensorParallelSize: 4\ndecode:\n  tensorParallelSize: 4\n",
+        ("ports.lmcacheInitBase", "65537"),
+    ),
+    "decode_env_overrides_the_lmcache_config_file": (
+        "decode:\n  env: [{name: LMCACHE_CONFIG_FILE, value: /tmp/x.yaml}]\n",
+        ("decode.env", "LMCACHE_CONFIG_FILE"),
+    ),
     "chart_owned_save_unfull_chunk": (
         "kvTransfer:\n  lmcache:\n    extraConfig:\n      save_unfull_chunk: false\n",
         ("/kvTransfer/lmcache/extraConfig", "save_unfull_chunk"),
@@ -178,6 +358,14 @@ BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def test_there_are_at_least_fifteen_cases() -> None:
     assert len(BAD_VALUES) + len(BAD_LMCACHE_VALUES) >= 15
+
+
+def test_a_release_name_too_long_for_the_statefulsets_is_refused(h4: Path) -> None:
+    """The generated prefix <release>-pd-inference past 44 characters (it used to be cut to 45,
+    one too many for the prefill StatefulSet's controller-revision-hash label)."""
+    result = helm.template(h4, release="r" * 33)  # 33 + len("-pd-inference") = 46
+    assert result.returncode != 0 and "the release name" in result.stderr and "44" in result.stderr, result.stderr
+    assert helm.template(h4, release="r" * 31).returncode == 0  # 44: fits
 
 
 CASES = {**{k: ((), *v) for k, v in BAD_VALUES.items()}, **{k: ((LMCACHE,), *v) for k, v in BAD_LMCACHE_VALUES.items()}}

@@ -187,4 +187,71 @@ def test_notification_sidecar_ports_agree_everywhere(h4: Path) -> None:
     assert _allowed_from(helm.one(docs, "NetworkPolicy", "-prefill"), 9700, pods) == {"router"}
     # Decoders never run it.
     decode = helm.one(docs, "StatefulSet", "-decode")["spec"]["template"]["spec"]
-    assert [c["name"] for c in decode["containers"]] == ["vllm"]
+    assert [c["name"] for c in decode["containers"]] == ["vllm", "metrics-proxy"]  # no notification sidecar
+
+
+def _ephemeral(docs: list[dict]) -> list[dict]:
+    return [
+        p for d in helm.find(docs, "NetworkPolicy") for r in d["spec"]["ingress"] for p in r["ports"] if "endPort" in p
+    ]
+
+
+def test_ephemeral_kv_ports_only_where_ucx_moves_the_kv_over_tcp(h4: Path) -> None:
+    assert _ephemeral(helm.render(h4))  # no EFA: UCX over TCP
+    assert not _ephemeral(helm.render(h4, sets=("efa.enabled=true", "efa.devices=1")))  # LIBFABRIC over EFA
+    assert not _ephemeral(helm.render(h4, sets=("networkPolicy.allowEphemeralKvPorts=false",)))
+    for env in ("env:dev", "env:staging", "env:prod"):  # all on EFA profiles
+        assert not _ephemeral(helm.render(h4, LAYERINGS[env])), env
+
+
+def test_egress_policies_allow_only_dns_the_peers_and_the_hub(h4: Path) -> None:
+    import kubernetes_validate
+
+    assert all("Egress" not in d["spec"]["policyTypes"] for d in helm.find(helm.render(h4), "NetworkPolicy"))
+    hub = "networkPolicy.egress.hubTo[0].ipBlock.cidr=10.9.0.0/16"
+    docs = helm.render(h4, sets=("networkPolicy.egress.enabled=true", hub, "model.routerTokenizerFromHub=true"))
+    policies = {d["metadata"]["name"].rsplit("-", 1)[1]: d for d in helm.find(docs, "NetworkPolicy")}
+    assert set(policies) == {"prefill", "decode", "router"}
+    for name, pol in policies.items():
+        kubernetes_validate.validate(pol, helm.KUBE_VERSION, strict=True)
+        assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"]
+        egress = pol["spec"]["egress"]
+        assert {p["port"] for p in egress[0]["ports"]} == {53}  # DNS first
+        assert any(
+            r["to"] == [{"ipBlock": {"cidr": "10.9.0.0/16"}}] and r["ports"] == [{"port": 443, "protocol": "TCP"}]
+            for r in egress
+        ), name
+        for rule in egress[1:]:
+            assert rule["to"], name  # never an empty (any-destination) peer list
+    prefill_peers = [r for r in policies["prefill"]["spec"]["egress"][1:] if r["to"][0].get("podSelector")]
+    assert prefill_peers[0]["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    assert {p["port"] for p in prefill_peers[0]["ports"]} >= {5600}
+    router_peers = {
+        r["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for r in policies["router"]["spec"]["egress"][1:]
+        if r["to"][0].get("podSelector")
+    }
+    assert router_peers == {"prefill", "decode"}
+    # without hubTo no rule reaches outside the release
+    docs = helm.render(h4, sets=("networkPolicy.egress.enabled=true",))
+    for pol in helm.find(docs, "NetworkPolicy"):
+        assert all("ipBlock" not in peer for r in pol["spec"]["egress"] for peer in r["to"])
+
+
+def test_prometheus_reaches_the_engines_metrics_proxy_and_not_their_api(h4: Path) -> None:
+    monitoring = "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"
+    docs = helm.render(h4, sets=(monitoring, "metrics.podMonitor.enabled=true"))
+    peer = {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
+    for role in ("prefill", "decode"):
+        pol = helm.one(docs, "NetworkPolicy", f"-{role}")
+        reach = {p["port"] for r in pol["spec"]["ingress"] if peer in r.get("from", []) for p in r["ports"]}
+        assert reach == {8001}, (role, reach)  # ports.engineMetrics only, never ports.engineHttp
+        pod = helm.one(docs, "StatefulSet", f"-{role}")["spec"]["template"]["spec"]
+        (proxy,) = [c for c in pod["containers"] if c["name"] == "metrics-proxy"]
+        assert "--upstream=http://127.0.0.1:8000" in proxy["args"] and proxy["ports"][0]["name"] == "metrics"
+    assert helm.one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # without the proxy the monitor scrapes the API port, which metricsFrom must then reach
+    docs = helm.render(h4, sets=(monitoring, "metrics.podMonitor.enabled=true", "engine.metricsProxy.enabled=false"))
+    pol = helm.one(docs, "NetworkPolicy", "-decode")
+    assert {p["port"] for r in pol["spec"]["ingress"] if peer in r.get("from", []) for p in r["ports"]} == {8000}
+    assert helm.one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "http"

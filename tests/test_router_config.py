@@ -78,3 +78,54 @@ def test_loader_rejects_what_the_chart_must_never_render(h4: Path, tmp_path: Pat
     path.write_text(path.read_text().replace("threshold:", "treshold:"))
     with pytest.raises(ConfigError, match="routing.treshold"):
         load_config(path, env={})
+
+
+# The router's own start-up rules the chart mirrors (from pd_router.config, via ci/chartdoc.py):
+# values, the router-config field they render to, and the bad value.
+ROUTER_RULES = {
+    "session affinity header": ({"router": {"sessionAffinityHeader": "X Session"}}, ("routing", "sessionAffinityHeader")),
+    "body limit": ({"router": {"limits": {"maxBodyBytes": 100}}}, ("limits", "maxBodyBytes")),
+    "sidecar wait": (
+        {"kvTransfer": {"lmcache": {"notificationReceiver": "prefillSidecar", "notifyTimeoutSeconds": 900}}},
+        ("lmcache", "notifyTimeoutSeconds"),
+    ),
+    "sidecar notifications": (
+        {
+            "kvTransfer": {"lmcache": {"notificationReceiver": "prefillSidecar"}},
+            "prefill": {"tensorParallelSize": 65},
+            "decode": {"tensorParallelSize": 65},
+        },
+        ("lmcache", "notificationsPerRequest"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ROUTER_RULES)
+def test_the_chart_refuses_what_the_router_would_refuse_at_start_up(h4: Path, rule: str, tmp_path: Path) -> None:
+    """Both sides of each mirrored rule: the router's loader refuses the bad value in a rendered
+    config, and the chart refuses the values that would render it, naming the field."""
+    import copy
+
+    import yaml
+    from pd_router.config import parse_config
+
+    from tests.cases import LMCACHE
+
+    values, (section, field) = ROUTER_RULES[rule]
+    base = (LMCACHE,) if "kvTransfer" in values else ()
+    good = yaml.safe_load(helm.one(helm.render(h4, base), "ConfigMap", "-router")["data"]["router.yaml"])
+    bad = copy.deepcopy(good)
+    section_values = values.get("router", {}) if section != "lmcache" else values["kvTransfer"]["lmcache"]
+    bad.setdefault(section, {})
+    if field == "notificationsPerRequest":
+        bad["lmcache"].update(notificationReceiver="prefillSidecar", notificationsPerRequest=65)
+    else:
+        value = section_values.get(field, section_values.get("limits", {}).get(field))
+        bad[section][field] = value
+        if section == "lmcache":
+            bad["lmcache"]["notificationReceiver"] = "prefillSidecar"
+    with pytest.raises(ConfigError, match=f"{section}.{field}"):
+        parse_config(bad, env={})
+    result = helm.template(h4, base, values_yaml=yaml.safe_dump(values))
+    assert result.returncode != 0, f"{rule}: the chart rendered what the router refuses"
+    assert "panic" not in result.stderr and result.stderr.strip(), result.stderr

@@ -91,6 +91,8 @@ class LiveStack:
         else:
             args = {r: ["--kv-connector", "nixl"] for r in ROLES}
         self.engines = {r: self.stack.sim(f"{self.name}-{r}", *args[r], *timing) for r in ROLES}
+        # the chart's metrics-only proxy next to each engine (engine.metricsProxy)
+        self.proxies = {r: self.stack.metrics_proxy(f"{self.name}-{r}-metrics", self.engines[r].port) for r in ROLES}
         for r in ROLES:
             env[f"PD_ROUTER__POOLS__{r.upper()}__DISCOVERY"] = "static"
             env[f"PD_ROUTER__POOLS__{r.upper()}__STATIC"] = f"[{self.engines[r].url()}]"
@@ -116,9 +118,11 @@ class LiveStack:
             sts = helm.one(self.docs, "StatefulSet", f"-{role}")
             tmpl = sts["spec"]["template"]
             for c in tmpl["spec"]["containers"]:
+                # the process behind the container: the metrics proxy, or the engine itself
+                port_of = self.proxies[role].port if c["name"] == "metrics-proxy" else proc.port
                 for port in c.get("ports", []):  # one target per named container port, as role: pod
                     out.append(scrape.Target(
-                        address=f"127.0.0.1:{proc.port}", namespace=self.namespace,
+                        address=f"127.0.0.1:{port_of}", namespace=self.namespace,
                         pod=f"{sts['metadata']['name']}-0", container=c["name"], port_name=port["name"],
                         pod_labels=tmpl["metadata"]["labels"],
                     ))  # fmt: skip

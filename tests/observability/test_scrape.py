@@ -26,6 +26,8 @@ def test_every_target_the_monitors_keep_is_up(live: LiveStack) -> None:
     targets = [t for t in _targets(live) if not t["scrapePool"].endswith("/without-credentials")]
     # one router and one pod per engine role: the selectors and port filters keep exactly these
     assert sorted(t["labels"]["component"] for t in targets) == ["decode", "prefill", "router"]
+    # the engines are scraped through their metrics-only proxy (engine.metricsProxy), never the API port
+    assert {t["labels"]["container"] for t in targets if t["labels"]["component"] != "router"} == {"metrics-proxy"}
     for t in targets:
         assert t["health"] == "up", (t["scrapePool"], t["lastError"])
 

@@ -221,3 +221,23 @@ The router's start-up budget: its startupProbe allows periodSeconds x failureThr
 {{- define "pd-inference.routerTokenizerFetchSeconds" -}}
 {{- div (mul (include "pd-inference.routerStartupPeriodSeconds" . | int) (include "pd-inference.routerStartupFailureThreshold" . | int)) 2 -}}
 {{- end -}}
+
+{{/* A Kubernetes quantity as a plain number (bytes, cores), for comparisons. */}}
+{{- define "pd-inference.quantity" -}}
+{{- $q := toString . -}}
+{{- $units := dict "n" 1e-9 "u" 1e-6 "m" 1e-3 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- $suffix := regexFind "([numkMGTPE]|[KMGTPE]i)$" $q -}}
+{{- $num := trimSuffix $suffix $q | float64 -}}
+{{- mulf $num (get $units $suffix | default 1.0) -}}
+{{- end -}}
+
+{{/* Egress to the cluster DNS (networkPolicy.egress.dnsTo), UDP and TCP 53. */}}
+{{- define "pd-inference.dnsEgress" -}}
+- to:
+    {{- toYaml .Values.networkPolicy.egress.dnsTo | nindent 4 }}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- end -}}

@@ -72,7 +72,7 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- $ports := dict -}}
 {{- $engineTp := max (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize) -}}
 {{- $_ := set $ports (toString $v.ports.engineHttp) "ports.engineHttp" -}}
-{{- range $name := list "nixlSideChannel" -}}
+{{- range $name := list "nixlSideChannel" "engineMetrics" -}}
 {{- $p := toString (get $v.ports $name) -}}
 {{- if hasKey $ports $p -}}
 {{- fail (printf "ports.%s: port %s is already used by %s" $name $p (get $ports $p)) -}}
@@ -89,7 +89,7 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- end -}}
 {{- end -}}
 {{- if eq (include "pd-inference.notificationSidecar" .) "true" -}}
-{{- range $name := list "engineHttp" "proxyNotification" -}}
+{{- range $name := list "engineHttp" "proxyNotification" "engineMetrics" -}}
 {{- if eq (int (get $v.ports $name)) (int $v.ports.notificationSidecar) -}}
 {{- fail (printf "ports.notificationSidecar: port %d is already ports.%s in the prefill pod" (int $v.ports.notificationSidecar) $name) -}}
 {{- end -}}
@@ -99,9 +99,151 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail (printf "ports.proxyNotification: port %d is already the router's HTTP port (ports.routerHttp)" (int $v.ports.proxyNotification)) -}}
 {{- end -}}
 
+{{- /* Names: "<fullname>-prefill" is a StatefulSet whose pods carry the label
+controller-revision-hash "<name>-<10-character hash>", at most 63 characters, so the fullname may
+have at most 44 (a longer one used to be cut, and the prefill pods then never got created). */ -}}
+{{- $full := $v.fullnameOverride | default (ternary .Release.Name (printf "%s-%s" .Release.Name (default .Chart.Name $v.nameOverride)) (contains (default .Chart.Name $v.nameOverride) .Release.Name)) -}}
+{{- if gt (len $full) 44 -}}
+{{- $field := ternary "fullnameOverride" "the release name (or set fullnameOverride)" (not (empty $v.fullnameOverride)) -}}
+{{- fail (printf "%s: the objects' name prefix %q has %d characters; at most 44 fit (the StatefulSet <name>-prefill and its pods' controller-revision-hash label of <statefulset>-<hash> must stay within 63)" $field $full (len $full)) -}}
+{{- end -}}
+
+{{- /* Label and annotation keys: Kubernetes' qualified names ([prefix/]name); alert labels:
+Prometheus label names. */ -}}
+{{- $qualified := "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$" -}}
+{{- $maps := dict "commonLabels" $v.commonLabels "metrics.serviceMonitor.labels" $v.metrics.serviceMonitor.labels "metrics.podMonitor.labels" $v.metrics.podMonitor.labels "metrics.prometheusRule.labels" $v.metrics.prometheusRule.labels "metrics.grafanaDashboard.labels" $v.metrics.grafanaDashboard.labels "metrics.grafanaDashboard.annotations" $v.metrics.grafanaDashboard.annotations "router.service.annotations" $v.router.service.annotations "router.serviceAccount.annotations" $v.router.serviceAccount.annotations "engineServiceAccount.annotations" $v.engineServiceAccount.annotations -}}
+{{- range $role := list "prefill" "decode" "router" -}}
+{{- range $m := list "podLabels" "podAnnotations" "nodeSelector" -}}
+{{- $_ := set $maps (printf "%s.%s" $role $m) (get (get $v $role) $m) -}}
+{{- end -}}
+{{- end -}}
+{{- range $field, $m := $maps -}}
+{{- range $key, $_ := $m | default dict -}}
+{{- if or (gt (len $key) 316) (not (regexMatch $qualified $key)) -}}
+{{- fail (printf "%s: %q is not a valid key ([prefix/]name: a DNS subdomain prefix, a name of at most 63 letters, digits, '-', '_' or '.')" $field $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $key, $_ := $v.metrics.prometheusRule.alertLabels | default dict -}}
+{{- if not (regexMatch "^[a-zA-Z_][a-zA-Z0-9_]*$" $key) -}}
+{{- fail (printf "metrics.prometheusRule.alertLabels: %q is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)" $key) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* What the router itself refuses at start-up with the notification sidecar (files/router-limits.yaml,
+generated from pd_router.config). */ -}}
+{{- if eq (include "pd-inference.notificationSidecar" .) "true" -}}
+{{- $limits := .Files.Get "files/router-limits.yaml" | fromYaml -}}
+{{- if gt (int $v.kvTransfer.lmcache.notifyTimeoutSeconds) (int $limits.sidecarMaxNotifyTimeoutSeconds) -}}
+{{- fail (printf "kvTransfer.lmcache.notifyTimeoutSeconds: %d is above %d, the longest wait the notification sidecar serves (notificationReceiver prefillSidecar)" (int $v.kvTransfer.lmcache.notifyTimeoutSeconds) (int $limits.sidecarMaxNotifyTimeoutSeconds)) -}}
+{{- end -}}
+{{- if gt (int $v.prefill.tensorParallelSize) (int $limits.sidecarMaxNotificationsPerRequest) -}}
+{{- fail (printf "prefill.tensorParallelSize: %d notifications per request (one per TP rank) is above %d, what the notification sidecar waits for" (int $v.prefill.tensorParallelSize) (int $limits.sidecarMaxNotificationsPerRequest)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Labels the chart sets itself: a user label with the same key would be a duplicate key
+(refused at apply) or, on pods, break the selectors. */ -}}
+{{- $owned := include "pd-inference.labels" (dict "ctx" (dict "Values" (dict) "Release" .Release "Chart" .Chart) "component" "x") | fromYaml -}}
+{{- range $key, $_ := $v.commonLabels | default dict -}}
+{{- if hasKey $owned $key -}}
+{{- fail (printf "commonLabels.%s: this label is set by the chart" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" "router" -}}
+{{- range $key, $_ := (get $v $role).podLabels | default dict -}}
+{{- if or (hasKey $owned $key) (hasKey ($v.commonLabels | default dict) $key) -}}
+{{- fail (printf "%s.podLabels.%s: this label is set by the chart (or commonLabels); pod labels cannot override it" $role $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The router's config file is the chart's: PD_ROUTER__* env overrides would silently change it. */ -}}
+{{- range $e := $v.router.env | default list -}}
+{{- if hasPrefix "PD_ROUTER__" (upper $e.name) -}}
+{{- fail (printf "router.env: %s overrides the router config the chart renders; set the matching router.* value instead" $e.name) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* KV transfer over EFA: UCX has no EFA transport (NIXL's LIBFABRIC backend drives EFA). */ -}}
+{{- if and $v.efa.enabled (eq $v.kvTransfer.backend "UCX") -}}
+{{- fail "kvTransfer.backend: UCX cannot use EFA devices (UCX has no EFA transport); use LIBFABRIC, or auto (LIBFABRIC with EFA), or turn efa.enabled off" -}}
+{{- end -}}
+{{- if and $lmcache (gt (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
+{{- fail (printf "kvTransfer.lmcache.chunkSize: %d tokens per chunk is above model.maxModelLen (%d): no request would fill a chunk" (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
+{{- end -}}
+{{- range $name := list "lmcacheInitBase" "lmcacheAllocBase" -}}
+{{- $last := add (int (get $v.ports $name)) (sub (int $v.decode.tensorParallelSize) 1) -}}
+{{- if gt (int $last) 65535 -}}
+{{- fail (printf "ports.%s: with decode.tensorParallelSize %d the last rank's port would be %d, above 65535" $name (int $v.decode.tensorParallelSize) (int $last)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Where the chart can see it: resource requests above limits, malformed quantities. */ -}}
+{{- range $role := list "prefill" "decode" "router" -}}
+{{- $res := (get $v $role).resources | default dict -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- range $name, $q := get $res $kind | default dict -}}
+{{- if not (regexMatch "^[+]?([0-9]+(\\.[0-9]*)?|\\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$" (toString $q)) -}}
+{{- fail (printf "%s.resources.%s.%s: %q is not a Kubernetes quantity (e.g. 4, 500m, 32Gi)" $role $kind $name (toString $q)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $name, $req := $res.requests | default dict -}}
+{{- with get ($res.limits | default dict) $name -}}
+{{- if gt (include "pd-inference.quantity" $req | float64) (include "pd-inference.quantity" . | float64) -}}
+{{- fail (printf "%s.resources.requests.%s: %v is above its limit %v" $role $name $req .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- $instanceTypes := include "pd-inference.instanceTypes" . | fromYaml -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $r := get $v $role -}}
+{{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
+accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
+{{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" -}}
+{{- range $arg := include "pd-inference.engineArgs" (dict "ctx" $ "role" $role) | fromYamlArray -}}
+{{- if hasPrefix "--" $arg -}}
+{{- $n := trimPrefix "--" (first (splitList "=" $arg)) -}}
+{{- if not (hasKey $flags $n) -}}
+{{- fail (printf "chart bug: engine flag --%s has no owner in _validate.tpl" $n) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $arg := $r.extraArgs | default list -}}
+{{- if hasPrefix "-" (toString $arg) -}}
+{{- $n := replace "_" "-" (trimPrefix "-" (trimPrefix "-" (first (splitList "=" (toString $arg))))) -}}
+{{- $n = ternary "tensor-parallel-size" $n (eq $n "tp") -}}
+{{- if hasKey $flags $n -}}
+{{- fail (printf "%s.extraArgs: %s is set by the chart (from %s); set that value instead" $role (toString $arg) (get $flags $n)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $ownedEnv := dict -}}
+{{- range $e := include "pd-inference.engineEnv" (dict "ctx" $ "role" $role) | fromYamlArray -}}
+{{- $_ := set $ownedEnv $e.name true -}}
+{{- end -}}
+{{- range $field := list "engine.env" (printf "%s.env" $role) -}}
+{{- range $e := (ternary $v.engine.env $r.env (eq $field "engine.env")) | default list -}}
+{{- if hasKey $ownedEnv $e.name -}}
+{{- fail (printf "%s: %s is set by the chart; it cannot be overridden here" $field $e.name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* vLLM shards KV heads over TP ranks: one must divide the other. */ -}}
+{{- $heads := int $v.model.kvShape.kvHeads -}}
+{{- $tp := int $r.tensorParallelSize -}}
+{{- if and (gt $heads 0) (ne (mod $heads $tp) 0) (ne (mod $tp $heads) 0) -}}
+{{- fail (printf "%s.tensorParallelSize: %d neither divides model.kvShape.kvHeads (%d) nor is a multiple of it; vLLM cannot shard the KV heads" $role $tp $heads) -}}
+{{- end -}}
+{{- /* A region selector must hold the pinned zone (zone names are the region plus a letter). */ -}}
+{{- with get ($r.nodeSelector | default dict) "topology.kubernetes.io/region" -}}
+{{- if and $v.placement.zone (not (hasPrefix . $v.placement.zone)) -}}
+{{- fail (printf "%s.nodeSelector: topology.kubernetes.io/region=%s cannot hold placement.zone=%s" $role . $v.placement.zone) -}}
+{{- end -}}
+{{- end -}}
 {{- /* Placement that cannot work: more GPUs or EFA devices than the pinned instance type has. */ -}}
 {{- with get $instanceTypes $r.instanceType -}}
 {{- if gt (int $r.tensorParallelSize) (int .gpus) -}}

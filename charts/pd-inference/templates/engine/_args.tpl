@@ -1,0 +1,75 @@
+{{/*
+What the chart puts on an engine's command line and in its environment. One source: the
+StatefulSet renders these, and templates/_validate.tpl refuses extraArgs and env that repeat
+them (a repeated flag or variable would silently override the chart's own). Call with
+(dict "ctx" $ "role" "prefill").
+*/}}
+
+{{- define "pd-inference.engineArgs" -}}
+{{- $v := .ctx.Values -}}
+{{- $r := get $v .role -}}
+- {{ $v.model.name | quote }}
+- --host=0.0.0.0
+- --port={{ $v.ports.engineHttp }}
+- --served-model-name={{ $v.model.servedName }}
+{{- with $v.model.revision }}
+- --revision={{ . }}
+{{- end }}
+- --tensor-parallel-size={{ int $r.tensorParallelSize }}
+- --max-model-len={{ int $v.model.maxModelLen }}
+- --gpu-memory-utilization={{ $r.gpuMemoryUtilization }}
+- --kv-transfer-config
+- {{ include "pd-inference.kvTransferConfig" (dict "ctx" .ctx "role" .role) | toJson }}
+{{- end -}}
+
+{{- define "pd-inference.engineEnv" -}}
+{{- $v := .ctx.Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+# Both roles must hash prompt chunks identically (LMCache chunk keys, vLLM prefix blocks).
+- name: PYTHONHASHSEED
+  value: "0"
+- name: HF_HOME
+  value: {{ printf "%s/hf" $v.modelCache.mountPath | quote }}
+# The root filesystem is read-only: caches (torch.compile, Triton, vLLM) go to /tmp.
+- name: HOME
+  value: /tmp/home
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+- name: VLLM_CACHE_ROOT
+  value: /tmp/cache/vllm
+{{- if $v.model.hfTokenSecret.name }}
+# The token stays a file (huggingface_hub reads HF_TOKEN_PATH), not an env var that
+# every child process and crash dump would carry.
+- name: HF_TOKEN_PATH
+  value: {{ include "pd-inference.hfTokenFile" .ctx }}
+{{- end }}
+{{- with $v.model.hubEndpoint }}
+- name: HF_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- if $lmcache }}
+- name: LMCACHE_CONFIG_FILE
+  value: /etc/lmcache/lmcache.yaml
+{{- else }}
+# NixlConnector's side channel: bind on, and advertise, this pod's IP.
+- name: VLLM_NIXL_SIDE_CHANNEL_HOST
+  value: $(POD_IP)
+- name: VLLM_NIXL_SIDE_CHANNEL_PORT
+  value: {{ $v.ports.nixlSideChannel | quote }}
+# NixlConnector moves a hybrid model's Mamba/Gated-DeltaNet conv state only in the
+# (dim, state_len) layout; without this vLLM 0.31/0.33 assert at start-up
+# (kv_connector/v1/nixl/base_worker.py: "Set VLLM_SSM_CONV_STATE_LAYOUT=DS"). Set on every
+# NIXL engine, as vLLM's CPU platform does (platforms/cpu.py): only Mamba-type layers
+# read it, and a hybrid model the chart does not recognise by name still starts.
+- name: VLLM_SSM_CONV_STATE_LAYOUT
+  value: DS
+{{- end }}
+{{- if $v.efa.enabled }}
+- name: FI_PROVIDER
+  value: efa
+{{- end }}
+{{- end -}}
