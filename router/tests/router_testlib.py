@@ -170,9 +170,10 @@ class LMCacheStack:
     """One prefill (LMCache sender, 2 TP ranks) and two decoders (receivers on 127.0.0.2/3
     sharing the same receiver port numbers, as StatefulSet pods do), plus routers."""
 
-    def __init__(self, stack: Stack, pd_proxy_port: int | None = None) -> None:
+    def __init__(self, stack: Stack, pd_proxy_port: int | None = None, name: str = "lm") -> None:
         """``pd_proxy_port``: where the prefiller PUSHes its notifications (default: a free
-        port the routers bind, ``notificationReceiver: router``)."""
+        port the routers bind, ``notificationReceiver: router``); ``name``: process name prefix
+        (unique per stack: it names their log and port files)."""
         self.stack = stack
         self.notify_port = pd_proxy_port or free_port()
         self.init_ports = [free_port(), free_port()]
@@ -180,7 +181,7 @@ class LMCacheStack:
         ip = ",".join(map(str, self.init_ports))
         ap = ",".join(map(str, self.alloc_ports))
         self.prefill = stack.sim(
-            "lm-prefill",
+            f"{name}-prefill",
             "--kv-connector",
             "lmcache",
             "--lmcache-role",
@@ -192,7 +193,7 @@ class LMCacheStack:
         )
         self.decoders = [
             stack.sim(
-                f"lm-decode{i}",
+                f"{name}-decode{i}",
                 "--host",
                 host,
                 "--kv-connector",

@@ -62,6 +62,7 @@ def test_empty_file_gives_defaults(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, ""))
     assert cfg.routing.threshold == 1024
     assert cfg.listen.port == 8000
+    assert (cfg.timeouts.client_idle_seconds, cfg.timeouts.client_header_seconds) == (60, 10)
 
 
 @pytest.mark.parametrize("path", [ROUTER_DIR / "config.example.yaml", DEMO_CONFIG])
@@ -91,6 +92,11 @@ def test_shipped_configs_load(path: Path) -> None:
         ("health: {path: health}", "health.path"),
         ("timeouts: {firstByteSeconds: .nan}", "timeouts.firstByteSeconds"),
         ("timeouts: {clientBodySeconds: .inf}", "timeouts.clientBodySeconds"),
+        ("timeouts: {clientIdleSeconds: 0}", "timeouts.clientIdleSeconds"),
+        ("timeouts: {clientIdleSeconds: .inf}", "timeouts.clientIdleSeconds"),
+        ("timeouts: {clientHeaderSeconds: -1}", "timeouts.clientHeaderSeconds"),
+        ("timeouts: {clientHeaderSeconds: .nan}", "timeouts.clientHeaderSeconds"),
+        ("timeouts: {clientHeaderSeconds: 'soon'}", "timeouts.clientHeaderSeconds"),
         ("limits: {queueTimeoutSeconds: .nan}", "limits.queueTimeoutSeconds"),
     ],
 )

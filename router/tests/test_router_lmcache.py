@@ -261,6 +261,12 @@ def _falls_back(
         answer, route, _ = _chat(router, text)
     finally:
         set_fault(s.prefill, "none")
+    # the failure counts against the prefiller: one more in a row may have ejected it until
+    # its next health check, which later tests must not depend on
+    wait_until(
+        lambda: metric_value(router.url(), "pd_router_healthy_endpoints", {"pool": "prefill"}) == 1,
+        "the prefiller is healthy",
+    )
     assert route == "fallback"
     assert answer == _direct_engine(s.decoders[0], "127.0.0.2", text)
     assert metric_value(router.url(), "pd_router_fallbacks_total", {"reason": reason}) == (
@@ -482,3 +488,96 @@ def test_min_tokens_above_max_tokens_gets_the_engines_400(
     got = post_json(router.url() + "/v1/chat/completions", body)
     assert direct[0] == got[0] == 400
     assert got[1] == direct[1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_prompt_plus_max_tokens_over_the_context_gets_the_engines_400(
+    lm: tuple[LMCacheStack, Proc], chat: bool, stream: bool
+) -> None:
+    """vLLM 0.31 refuses prompt + max_tokens above max_model_len (the simulator's default,
+    32768) although the prompt alone fits and so would the 1-token prefill leg: the request is
+    not split, the client gets the decoder's 400, never a 200 and a first token."""
+    s, router = lm
+    text = long_text(32000)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1000, "stream": stream}
+    body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+    reason = {"reason": "too_long"}
+    before = metric_value(router.url(), "pd_router_fallbacks_total", reason)
+    direct = post_json(s.decoders[0].url(HOSTS[0]) + path, body)
+    got = post_json(router.url() + path, body)
+    assert direct[0] == got[0] == 400, got
+    assert got[1] == direct[1]
+    assert "maximum context length is 32768" in got[1]["error"]["message"]
+    assert got[2]["x-pd-route"] == "fallback"
+    assert metric_value(router.url(), "pd_router_fallbacks_total", reason) == before + 1
+
+
+def test_decoder_error_after_the_first_token_keeps_its_message(
+    lm: tuple[LMCacheStack, Proc],
+) -> None:
+    """Streaming, the first token is sent before the decode leg; a decoder that then refuses
+    it must not leave the client with only a status: its error message is in the SSE event."""
+    s, router = lm
+    _stall_decoders(s, "bad_request")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
+        body = {"messages": [{"role": "user", "content": long_text(305)}], "max_tokens": 5}
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps({**body, "stream": True}),
+            headers={"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.headers["x-pd-route"] == "disaggregated"
+        events = [e for e in resp.read().split(b"\n\n") if e.startswith(b"data: ")]
+        conn.close()
+    finally:
+        for d, h in zip(s.decoders, HOSTS, strict=True):
+            set_fault(d, "none", host=h)
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"]  # the first token
+    err = json.loads(events[-1][6:])["error"]
+    assert err["code"] == 400
+    assert err["message"] == "decoder answered 400: simulated bad request"
+
+
+def test_missing_notifications_eject_the_prefiller(stack: Stack) -> None:
+    """A hand-off whose notification never comes counts against the prefiller (passive
+    failures, reset only by a complete hand-off): after passiveFailureThreshold of them it is
+    ejected, long prompts go straight to a decoder without waiting, and the active health
+    check re-admits it once it works again."""
+    s = LMCacheStack(stack, name="lm-eject")  # its own prefiller: it notifies this router only
+    router = s.router(
+        "lm-router-eject",
+        {
+            "lmcache": {"notifyTimeoutSeconds": 1},
+            # re-admission takes 3 passing checks 2 s apart: the ejection stays observable
+            "health": {"passiveFailureThreshold": 2, "intervalSeconds": 2, "healthyThreshold": 3},
+        },
+    )
+    base = router.url()
+    prefill = {"pool": "prefill"}
+    wait_until(lambda: metric_value(base, "pd_router_healthy_endpoints", prefill) == 1, "ready")
+    no_prefiller = {"reason": "no_prefiller"}
+    set_fault(s.prefill, "no_notify")
+    try:
+        for words in (340, 341):
+            assert _chat(router, long_text(words))[1] == "fallback"  # after the wait
+        errors = {"pool": "prefill", "kind": "notify_timeout"}
+        assert metric_value(base, "pd_router_upstream_errors_total", errors) == 2
+        assert metric_value(base, "pd_router_healthy_endpoints", prefill) == 0
+        text = long_text(342)
+        answer, route, _ = _chat(router, text)  # served decode-only, no notification wait
+        assert route == "fallback"
+        assert answer == _direct_engine(s.decoders[0], HOSTS[0], text)
+        assert metric_value(base, "pd_router_fallbacks_total", no_prefiller) == 1
+        assert metric_value(base, "pd_router_fallbacks_total", {"reason": "notify_timeout"}) == 2
+    finally:
+        set_fault(s.prefill, "none")
+    wait_until(
+        lambda: metric_value(base, "pd_router_healthy_endpoints", prefill) == 1,
+        "the active check re-admitted the prefiller",
+    )
+    assert _chat(router, long_text(343))[1] == "disaggregated"

@@ -240,6 +240,9 @@ def test_sidecar_unreachable_falls_back(sc: SidecarStack) -> None:
     assert metric_value(
         router.url(), "pd_router_lmcache_sidecar_waits_total", {"outcome": "error"}
     ) == (1)
+    # counted against the prefiller (its pod's sidecar failed the hand-off)
+    errors = {"pool": "prefill", "kind": "sidecar_error"}
+    assert metric_value(router.url(), "pd_router_upstream_errors_total", errors) == 1
 
 
 @pytest.mark.parametrize(

@@ -119,3 +119,85 @@ def test_preset_label_values_are_the_ones_the_router_records() -> None:
     text = metrics.Metrics().render().decode()
     assert 'pd_router_fallbacks_total{reason="notify_timeout"} 0.0' in text
     assert 'pd_router_requests_total{outcome="rejected",route="none"} 0.0' in text
+    m = metrics.Metrics()
+    m.preset_lmcache("prefillSidecar")
+    text = m.render().decode()
+    for kind in ("notify_timeout", "sidecar_error"):
+        assert f'pd_router_upstream_errors_total{{kind="{kind}",pool="prefill"}} 0.0' in text
+
+
+@pytest.mark.parametrize(
+    ("raw", "deep"),
+    [
+        (b"[" * 128 + b"]" * 128, False),
+        (b"[" * 129 + b"]" * 129, True),
+        (b'{"a": [' + b"{}," * 500 + b"{}]}", False),  # many brackets, 3 levels
+        (b'{"a": "' + b"[" * 1000 + b'"}', False),  # brackets inside a string
+        (b'{"a": [1, {"b": ' + b"[" * 127 + b"]" * 127 + b"}]}", True),  # 130 levels
+    ],
+)
+def test_too_deep(raw: bytes, deep: bool) -> None:
+    import orjson
+
+    from pd_router.app import too_deep
+
+    assert too_deep(raw, orjson.loads(raw)) is deep
+
+
+def _record(msg: str, level: int = 30, name: str = "pd_router") -> object:
+    import logging
+
+    return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+
+def test_rate_limit_per_template_with_suppressed_count() -> None:
+    from pd_router.logs import RateLimit
+
+    now = [0.0]
+    rl = RateLimit(limit=3, window=10, clock=lambda: now[0])
+    passed = [rl.filter(_record("a %s")) for _ in range(5)]  # type: ignore[arg-type]
+    assert passed == [True, True, True, False, False]
+    assert rl.filter(_record("other %s"))  # type: ignore[arg-type]  # its own budget
+    assert rl.filter(_record("a %s", level=20))  # type: ignore[arg-type]  # info: never limited
+    now[0] = 10.0  # the next window: the first record reports what was dropped
+    first = _record("a %s")
+    assert rl.filter(first)  # type: ignore[arg-type]
+    assert first.suppressed == 2  # type: ignore[attr-defined]
+    second = _record("a %s")
+    assert rl.filter(second) and not hasattr(second, "suppressed")  # type: ignore[arg-type]
+
+
+def test_exception_summary_has_frames_but_no_message() -> None:
+    import json
+    import logging
+    import sys
+
+    from pd_router.logs import JsonFormatter, exc_summary
+
+    def fail() -> None:
+        raise ValueError("secret-in-message")
+
+    try:
+        try:
+            fail()
+        except ValueError as e:
+            raise KeyError("secret-key") from e
+    except KeyError:
+        info = sys.exc_info()
+    text = exc_summary(info)  # type: ignore[arg-type]
+    assert "secret" not in text
+    assert text.startswith("KeyError at ") and "; caused by ValueError at " in text
+    assert f"{__file__}:" in text and " in fail" in text
+    rec = logging.LogRecord("aiohttp.server", 40, __file__, 1, "x %s", (info[1],), info)
+    out = json.loads(JsonFormatter().format(rec))
+    assert out["msg"] == "x KeyError" and "secret" not in json.dumps(out)
+
+
+def test_request_ids_match_whole_values_only() -> None:
+    from pd_router.app import _RID_RE
+
+    assert (
+        _RID_RE.fullmatch("abc-123")
+        and not _RID_RE.fullmatch("abc\n")
+        and not _RID_RE.fullmatch("a" * 129)
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import re
 import time
@@ -36,12 +37,17 @@ from pd_router.tokens import (
 from pd_router.upstream import Response, UpstreamClient
 
 log = logging.getLogger("pd_router")
-_RID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_RID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: "$" would admit a trailing newline
 _UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 DIRECT = "direct"
 DISAGG = "disaggregated"
 FALLBACK = "fallback"
+
+# Deepest JSON nesting a request may have. orjson reads 1024 levels but writes only 254, and
+# the router re-serializes bodies, some inside its own wrapping (the hand-off legs), so a
+# deeper body would end in a 500; 128 leaves room and is far beyond real requests.
+MAX_JSON_DEPTH = 128
 
 
 def error_response(status: int, message: str, etype: str, headers: Any = None) -> web.Response:
@@ -156,6 +162,23 @@ def validate(body: Any, chat: bool) -> str | None:
     return None
 
 
+def too_deep(raw: bytes, body: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True if ``body`` (parsed from ``raw``) nests containers deeper than ``limit``."""
+    # every container opens with a [ or { byte, so this few cannot nest deeper (C-speed count)
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    todo: list[tuple[Any, int]] = [(body, 1)]
+    while todo:  # iterative: the depth is what is being checked
+        v, depth = todo.pop()
+        children = v.values() if isinstance(v, dict) else v
+        for c in children:
+            if isinstance(c, dict | list):
+                if depth >= limit:
+                    return True
+                todo.append((c, depth + 1))
+    return False
+
+
 def strip_handoff_fields(body: dict[str, Any]) -> bool:
     """Remove what a client sent to steer the KV hand-off (it belongs to the router alone):
     top-level ``kv_transfer_params`` and ``vllm_xargs.kv_transfer_params`` (vLLM merges
@@ -168,6 +191,31 @@ def strip_handoff_fields(body: dict[str, Any]) -> bool:
         body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
         changed = True
     return changed
+
+
+async def _error_detail(resp: Response, limit: int = 4096) -> tuple[str, str]:
+    """(type, message) of an engine's OpenAI-format error answer, from at most its first
+    ``limit`` bytes (read under the response's idle timeout); ("", "") when unreadable. The
+    response is released (closed unless read to its end)."""
+    buf = b""
+    try:
+        async with contextlib.aclosing(resp.iter_any()) as chunks:
+            async for chunk in chunks:
+                buf += chunk
+                if len(buf) >= limit:
+                    break
+    except _UPSTREAM_ERRORS:
+        pass
+    finally:
+        resp.release()
+    try:
+        d = orjson.loads(buf)
+        err = d.get("error", d) if isinstance(d, dict) else None  # older vLLM: top level
+        msg = err.get("message") if isinstance(err, dict) else None
+        etype = err.get("type") if isinstance(err, dict) else None
+    except orjson.JSONDecodeError:
+        return "", ""
+    return (etype if isinstance(etype, str) else ""), (msg if isinstance(msg, str) else "")
 
 
 def _is_batch(prompt: list[Any]) -> bool:
@@ -406,7 +454,7 @@ class Router:
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id")
-        if not rid or not _RID_RE.match(rid):
+        if not rid or not _RID_RE.fullmatch(rid):
             rid = uuid.uuid4().hex
         ctx = Ctx(rid, chat, request.path, None)
         status = 0
@@ -484,6 +532,10 @@ class Router:
         except orjson.JSONDecodeError as exc:
             self._count("none", "bad_request")
             return error_response(400, f"malformed JSON: {exc}", "invalid_request_error")
+        if isinstance(body, dict | list) and too_deep(raw, body):
+            self._count("none", "bad_request")
+            msg = f"request JSON nests deeper than {MAX_JSON_DEPTH} levels (the router's limit)"
+            return error_response(400, msg, "invalid_request_error")
         err = validate(body, ctx.chat)
         if err:
             self._count("none", "bad_request")
@@ -795,8 +847,10 @@ class Router:
         self._count(ctx.route, "client_disconnect")
         return out
 
-    async def _stream_error(self, out: web.StreamResponse, msg: str) -> None:
-        err = {"error": {"message": msg, "type": "upstream_error", "param": None, "code": 502}}
+    async def _stream_error(
+        self, out: web.StreamResponse, msg: str, etype: str = "upstream_error", code: int = 502
+    ) -> None:
+        err = {"error": {"message": msg, "type": etype, "param": None, "code": code}}
         try:
             await out.write(b"data: " + orjson.dumps(err) + b"\n\n")
             await out.write_eof()
@@ -930,6 +984,12 @@ class Router:
         if lengths.min_tokens_above(body, mt):
             # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
             return await self._fallback(request, ctx, raw, body, "unsupported_fields")
+        mml = self.counter.max_model_len
+        if mml is not None and len(ids) + mt > mml:
+            # vLLM 0.31 refuses prompt + max_tokens above the context (400) but would accept the
+            # 1-token prefill leg: unsplit, the client gets the decoder's own answer, never a 200
+            # and one token before the error (0.33 clamps max_tokens and serves it)
+            return await self._fallback(request, ctx, raw, body, "too_long")
         ctx.route = DISAGG
         lm = self.cfg.lmcache
         req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
@@ -972,7 +1032,8 @@ class Router:
                 return await self._fallback(
                     request, ctx, raw, body, self._prefill_failed(pre, None, status or 502)
                 )
-            self.prefill.report_success(pre)
+            # the prefiller's success is reported once its hand-off completed (below): reported
+            # here, it would reset the failures a missing notification counts every time
             stream = body.get("stream") is True
             done_after_first = finish == "stop" or mt == 1
             sid = ("chatcmpl-" if chat else "cmpl-") + ctx.rid
@@ -995,11 +1056,13 @@ class Router:
                 self._route_hist[DISAGG][0].observe(time.perf_counter() - ctx.t0)
                 ctx.ttft_done = True
             if done_after_first:
+                self.prefill.report_success(pre)
                 if listener is not None:
                     listener.cancel(req_id)
                 return await self._lmcache_first_only(
                     ctx, out, chat, sid, created, first_text, finish, len(ids), body
                 )
+            kind = "notify_timeout"
             if listener is not None:
                 assert fut is not None
                 ok = await listener.wait(req_id, fut, lm.notify_timeout_seconds)
@@ -1015,9 +1078,17 @@ class Router:
                 )
                 m.sidecar_waits.labels(outcome).inc()
                 ok = outcome == "ok"
+                if outcome == "error":
+                    kind = "sidecar_error"
             self._hw["lmcache"].observe(time.perf_counter() - t0)
             exclude: list[Endpoint] = []
-            if not ok:
+            if ok:
+                self.prefill.report_success(pre)
+            else:
+                # a broken hand-off counts against the prefiller like a failed prefill: after
+                # passiveFailureThreshold in a row it is ejected until an active check passes
+                m.upstream_errors.labels("prefill", kind).inc()
+                self.prefill.report_failure(pre)
                 m.fallbacks.labels("notify_timeout").inc()
                 log.warning("LMCache notification timed out", extra={"request_id": ctx.rid})
                 ctx.route = FALLBACK
@@ -1039,9 +1110,12 @@ class Router:
                 self._count(ctx.route, "upstream_error")
                 return out
             if resp.status != 200 and out is not None:
-                dep.active -= 1
-                resp.release()
-                await self._stream_error(out, f"decoder answered {resp.status}")
+                try:
+                    etype, emsg = await _error_detail(resp)
+                finally:
+                    dep.active -= 1
+                msg = f"decoder answered {resp.status}" + (f": {emsg}" if emsg else "")
+                await self._stream_error(out, msg, etype or "upstream_error", resp.status)
                 self._count(ctx.route, "upstream_error")
                 return out
             if out is None:

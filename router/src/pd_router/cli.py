@@ -1,4 +1,5 @@
-"""``pd-router`` command line: ``serve``, ``check-config`` and ``notify-sidecar``."""
+"""``pd-router`` command line: ``serve``, ``check-config``, ``notify-sidecar`` and
+``metrics-proxy``."""
 
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
     from aiohttp import web
 
     from pd_router.app import Router, build_app
+    from pd_router.http_server import AppRunner
 
     router = Router(cfg)
     app = build_app(router)
     # auto_decompress=False: request bodies are taken as sent, like vLLM's server does; the
     # router refuses a Content-Encoding itself (415) instead of aiohttp failing in its parser.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
+    runner = AppRunner(
+        app,
+        idle_timeout=cfg.timeouts.client_idle_seconds,
+        head_timeout=cfg.timeouts.client_header_seconds,
+        handler_cancellation=True,
+        access_log=None,
+        auto_decompress=False,
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_address=True)
     await site.start()
@@ -88,6 +97,37 @@ def _sidecar_main(a: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_proxy_main(a: argparse.Namespace) -> int:
+    import math
+
+    from pd_router import logs
+    from pd_router.metrics_proxy import ProxyOptions, parse_upstream, run_metrics_proxy
+
+    errors = []
+    if not 0 <= a.port <= 65535:
+        errors.append(f"--port: must be between 0 and 65535, got {a.port}")
+    try:
+        upstream = parse_upstream(a.upstream)
+    except ValueError as exc:
+        errors.append(str(exc))
+    if not (math.isfinite(a.timeout_seconds) and 0 < a.timeout_seconds <= 600):
+        errors.append(f"--timeout-seconds: must be > 0 and <= 600, got {a.timeout_seconds}")
+    if a.max_bytes < 1:
+        errors.append(f"--max-bytes: must be >= 1, got {a.max_bytes}")
+    if errors:
+        print("pd-router metrics-proxy: " + "; ".join(errors), file=sys.stderr)
+        return 2
+    logs.setup(a.log_level)
+    _fast_loop()
+    opts = ProxyOptions(upstream, a.host, a.port, a.timeout_seconds, a.max_bytes)
+    try:
+        asyncio.run(run_metrics_proxy(opts, a.port_file))
+    except OSError as exc:
+        print(f"pd-router metrics-proxy: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pd-router", description="Prefill/decode router for vLLM")
     p.add_argument("--version", action="version", version=__version__)
@@ -114,9 +154,32 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--max-pending", type=int, default=100000, help="most ids held at once")
     n.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     n.add_argument("--port-file", help="write the bound port here once listening (tests)")
+    m = sub.add_parser(
+        "metrics-proxy",
+        help="serve only the engine's /metrics on a port of its own (a sidecar in each engine "
+        "pod, so Prometheus never reaches the OpenAI API)",
+    )
+    m.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
+    m.add_argument("--port", type=int, default=8001, help="HTTP port Prometheus scrapes")
+    m.add_argument(
+        "--upstream",
+        required=True,
+        help="the engine in this pod, e.g. http://127.0.0.1:8000: a loopback URL (127.0.0.1, "
+        "::1 or localhost) whose /metrics is fetched",
+    )
+    m.add_argument(
+        "--timeout-seconds", type=float, default=5.0, help="bound on one upstream fetch, whole"
+    )
+    m.add_argument(
+        "--max-bytes", type=int, default=16 * 1024 * 1024, help="largest /metrics body passed"
+    )
+    m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m.add_argument("--port-file", help="write the bound port here once listening (tests)")
     a = p.parse_args(argv)
     if a.cmd == "notify-sidecar":
         return _sidecar_main(a)
+    if a.cmd == "metrics-proxy":
+        return _metrics_proxy_main(a)
     try:
         cfg = _load(a.config)
     except ConfigError as exc:

@@ -22,6 +22,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 ENV_PREFIX = "PD_ROUTER__"
+# An HTTP header name (RFC 9110 token); the chart's schema takes it from here (ci/chartdoc.py).
+HEADER_NAME_RE = r"[A-Za-z0-9!#$%&'*+.^_`|~-]+"
+MIN_MAX_BODY_BYTES = 1024
 # bounds of the notification sidecar's wait endpoint (pd_router.notify_sidecar)
 SIDECAR_MAX_COUNT = 64
 SIDECAR_MAX_TIMEOUT = 600.0
@@ -112,6 +115,10 @@ class Timeouts:
     connect_seconds: float = 5.0
     # a client's whole request body must arrive within this (408 otherwise)
     client_body_seconds: float = 30.0
+    # a keep-alive connection idle this long between requests is closed
+    client_idle_seconds: float = 60.0
+    # a new connection must deliver a whole request head (line + headers) within this
+    client_header_seconds: float = 10.0
     prefill_seconds: float = 300.0
     first_byte_seconds: float = 300.0
     stream_idle_seconds: float = 120.0
@@ -317,7 +324,7 @@ def _validate(cfg: RouterConfig) -> None:
     if cfg.routing.threshold < 0:
         raise ConfigError(f"routing.threshold: must be >= 0, got {cfg.routing.threshold}")
     hdr = cfg.routing.session_affinity_header
-    if hdr and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", hdr):
+    if hdr and not re.fullmatch(HEADER_NAME_RE, hdr):
         raise ConfigError(f"routing.sessionAffinityHeader: not a valid header name: {hdr!r}")
     for pool_name in ("prefill", "decode"):
         pool: Pool = getattr(cfg.pools, pool_name)
@@ -375,8 +382,8 @@ def _validate(cfg: RouterConfig) -> None:
     if li.max_queued < 0:
         raise ConfigError("limits.maxQueued: must be >= 0")
     _positive(li.queue_timeout_seconds, "limits.queueTimeoutSeconds")
-    if li.max_body_bytes < 1024:
-        raise ConfigError("limits.maxBodyBytes: must be >= 1024")
+    if li.max_body_bytes < MIN_MAX_BODY_BYTES:
+        raise ConfigError(f"limits.maxBodyBytes: must be >= {MIN_MAX_BODY_BYTES}")
 
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None) -> RouterConfig:

@@ -155,6 +155,28 @@ def start_notify_sidecar(name: str, workdir: Path, zmq_port: int, *args: str) ->
     )
 
 
+def start_metrics_proxy(name: str, workdir: Path, upstream_port: int, *args: str) -> Proc:
+    """``pd-router metrics-proxy`` on a free port of 127.0.0.1 for
+    ``http://127.0.0.1:upstream_port`` (``args`` may override any of them)."""
+    return _spawn(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "pd_router",
+            "metrics-proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--upstream",
+            f"http://127.0.0.1:{upstream_port}",
+            *args,
+        ],
+        workdir,
+    )
+
+
 class Stack:
     """A group of processes stopped together (context manager)."""
 
@@ -178,6 +200,11 @@ class Stack:
 
     def notify_sidecar(self, name: str, zmq_port: int, *args: str) -> Proc:
         p = start_notify_sidecar(name, self.workdir, zmq_port, *args)
+        self.procs.append(p)
+        return p
+
+    def metrics_proxy(self, name: str, upstream_port: int, *args: str) -> Proc:
+        p = start_metrics_proxy(name, self.workdir, upstream_port, *args)
         self.procs.append(p)
         return p
 

@@ -20,7 +20,7 @@ ROUTES_OUTCOMES = (
 )
 FALLBACK_REASONS = (
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
-    "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry",
+    "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
 )  # fmt: skip
 REJECT_REASONS = ("queue_full", "queue_timeout")
 SIDECAR_OUTCOMES = ("ok", "timeout", "error")
@@ -135,10 +135,13 @@ class Metrics:
 
     def preset_lmcache(self, receiver: str) -> None:
         """The LMCache hand-off's counters, for the notification receiver in use."""
+        # a broken hand-off is a prefiller failure (kind notify_timeout | sidecar_error)
+        self.upstream_errors.labels("prefill", "notify_timeout")
         if receiver == "router":
             for result in ("matched", "unknown", "malformed"):
                 self.notifications.labels(result)
         else:
+            self.upstream_errors.labels("prefill", "sidecar_error")
             for outcome in SIDECAR_OUTCOMES:
                 self.sidecar_waits.labels(outcome)
 

@@ -1,0 +1,85 @@
+"""The router's aiohttp server with deadlines on client connections.
+
+aiohttp closes a connection idle for ``keepalive_timeout`` (default 3630 s) and bounds
+nothing else before a first request: a client that connects and sends a request head byte by
+byte, or nothing at all, holds a socket for an hour. :class:`AppRunner` passes
+``timeouts.clientIdleSeconds`` as the keep-alive timeout and gives every new connection
+``timeouts.clientHeaderSeconds`` to deliver its first whole request head (checked against
+aiohttp 3.14's ``web_runner.py``, ``web_server.py`` and ``web_protocol.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+
+class _HeadDeadlineHandler(RequestHandler):
+    """Closes the connection unless its first request head is parsed within the deadline."""
+
+    __slots__ = ("_head_timeout", "_head_timer")
+
+    def __init__(self, manager: web.Server, *, head_timeout: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._head_timeout = head_timeout
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self._loop.call_later(self._head_timeout, self._head_late)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # _request_count: heads parsed on this connection (a refused one counts too: it is
+        # answered 400 and closed by aiohttp)
+        if self._head_timer is not None and self._request_count > 0:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        self.force_close()
+
+
+class _Server(web.Server):
+    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timeout = head_timeout
+
+    def __call__(self) -> RequestHandler:
+        return _HeadDeadlineHandler(
+            self, loop=self._loop, head_timeout=self._head_timeout, **self._kwargs
+        )
+
+
+class AppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections get ``idle_timeout`` between requests and
+    ``head_timeout`` for their first request head."""
+
+    __slots__ = ("_head_timeout",)
+
+    def __init__(
+        self, app: web.Application, *, idle_timeout: float, head_timeout: float, **kwargs: Any
+    ) -> None:
+        super().__init__(app, keepalive_timeout=idle_timeout, **kwargs)
+        self._head_timeout = head_timeout
+
+    async def _make_server(self) -> web.Server:
+        srv = await super()._make_server()  # runs the app's start-up; its kwargs are ours
+        return _Server(
+            srv.request_handler,
+            request_factory=srv.request_factory,
+            handler_cancellation=srv.handler_cancellation,
+            loop=srv._loop,
+            head_timeout=self._head_timeout,
+            **srv._kwargs,
+        )
