@@ -58,8 +58,15 @@ def test_contract_file_loads(tmp_path: Path) -> None:
     assert cfg.limits.max_body_bytes == 10485760
 
 
-def test_empty_file_gives_defaults(tmp_path: Path) -> None:
-    cfg = load_config(_write(tmp_path, ""))
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"])
+def test_an_empty_file_is_refused(tmp_path: Path, text: str) -> None:
+    """An empty or mis-mounted file must not start a router on all defaults without a word."""
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(_write(tmp_path, text))
+
+
+def test_an_empty_mapping_gives_defaults(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "{}\n"))
     assert cfg.routing.threshold == 1024
     assert cfg.listen.port == 8000
     assert (cfg.timeouts.client_idle_seconds, cfg.timeouts.client_header_seconds) == (60, 10)

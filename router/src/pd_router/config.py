@@ -428,6 +428,8 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"<file>: {p} is not valid YAML: {exc}") from exc
+    if data is None:  # an empty or mis-mounted file must not start a router on all defaults
+        raise ConfigError(f"<file>: {p} is empty (no settings); the chart renders a full config")
     return parse_config(data, env)
 
 
