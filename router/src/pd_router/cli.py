@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import os
-import signal
 import sys
 
 from pd_router import __version__
 from pd_router.config import ConfigError, RouterConfig, load_config, to_dict
-from pd_router.devstack import write_port_file
 
 
 def _load(path: str) -> RouterConfig:
@@ -21,10 +18,9 @@ def _load(path: str) -> RouterConfig:
 
 
 async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
-    from aiohttp import web
 
     from pd_router.app import Router, build_app
-    from pd_router.http_server import AppRunner
+    from pd_router.http_server import AppRunner, serve
 
     router = Router(cfg)
     app = build_app(router)
@@ -38,31 +34,20 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
         access_log=None,
         auto_decompress=False,
     )
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_address=True)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    write_port_file(port_file, port)
     import logging
 
-    logging.getLogger("pd_router").warning(
-        "pd-router %s listening on %s:%d (connector=%s threshold=%d notifications=%s)",
-        __version__,
-        cfg.listen.host,
-        port,
-        cfg.routing.connector,
-        cfg.routing.threshold,
-        cfg.lmcache.notification_receiver if cfg.routing.connector == "lmcache" else "-",
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    def announce(port: int) -> None:
+        logging.getLogger("pd_router").warning(
+            "pd-router %s listening on %s:%d (connector=%s threshold=%d notifications=%s)",
+            __version__,
+            cfg.listen.host,
+            port,
+            cfg.routing.connector,
+            cfg.routing.threshold,
+            cfg.lmcache.notification_receiver if cfg.routing.connector == "lmcache" else "-",
+        )
+
+    await serve(runner, cfg.listen.host, cfg.listen.port, 4096, port_file, announce)
 
 
 def _fast_loop() -> None:

@@ -11,6 +11,9 @@ aiohttp 3.14's ``web_runner.py``, ``web_server.py`` and ``web_protocol.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -83,3 +86,33 @@ class AppRunner(web.AppRunner):
             head_timeout=self._head_timeout,
             **srv._kwargs,
         )
+
+
+async def serve(
+    runner: AppRunner,
+    host: str,
+    port: int,
+    backlog: int,
+    port_file: str | None,
+    announce: Callable[[int], None],
+) -> None:
+    """Run ``runner`` on host:port until SIGTERM or SIGINT: bind, tell the starter the bound
+    port (``port_file``, see pd_router.devstack), ``announce(port)``, then clean up. The one
+    serving loop of the router, the notification sidecar and the metrics proxy."""
+    from pd_router.devstack import write_port_file
+
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, backlog=backlog, reuse_address=True)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        write_port_file(port_file, bound)
+        announce(bound)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

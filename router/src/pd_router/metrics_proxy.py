@@ -20,11 +20,8 @@ addresses): a sidecar for its own pod, not an open proxy.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ipaddress
 import logging
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -36,8 +33,7 @@ from aiohttp.abc import ResolveResult
 from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
-from pd_router.devstack import write_port_file
-from pd_router.http_server import AppRunner
+from pd_router.http_server import AppRunner, serve
 
 log = logging.getLogger("pd_router.metrics_proxy")
 
@@ -221,12 +217,8 @@ async def run_metrics_proxy(opts: ProxyOptions, port_file: str | None = None) ->
         handler_cancellation=True,
         access_log=None,
     )
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, opts.host, opts.port, backlog=128, reuse_address=True)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        write_port_file(port_file, port)
+
+    def announce(port: int) -> None:
         log.warning(
             "metrics-proxy listening on %s:%d for %s (timeout %gs, max %d bytes)",
             opts.host,
@@ -235,11 +227,5 @@ async def run_metrics_proxy(opts: ProxyOptions, port_file: str | None = None) ->
             opts.timeout_seconds,
             opts.max_bytes,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+
+    await serve(runner, opts.host, opts.port, 128, port_file, announce)

@@ -22,7 +22,6 @@ import collections
 import contextlib
 import logging
 import math
-import signal
 import time
 from dataclasses import dataclass
 
@@ -33,8 +32,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pd_router.config import SIDECAR_MAX_COUNT, SIDECAR_MAX_TIMEOUT
-from pd_router.devstack import write_port_file
+from pd_router.http_server import AppRunner, serve
 from pd_router.lmcache_wire import receive_notifications
+
+HEAD_TIMEOUT_SECONDS = 5.0  # a client's first request head, whole
+IDLE_TIMEOUT_SECONDS = 60.0  # keep-alive between the router's waits
 
 log = logging.getLogger("pd_router.notify_sidecar")
 
@@ -314,24 +316,22 @@ def build_sidecar_app(sidecar: NotifySidecar) -> web.Application:
 async def run_sidecar(opts: SidecarOptions, port_file: str | None = None) -> None:
     sidecar = NotifySidecar(opts)
     app = build_sidecar_app(sidecar)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, opts.host, opts.port, backlog=1024, reuse_address=True)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        write_port_file(port_file, port)
+    # The router's hardened server: a slow or silent connection cannot hold a socket (the
+    # router's long-poll wait is one request, which the keep-alive timeout does not cut).
+    runner = AppRunner(
+        app,
+        idle_timeout=IDLE_TIMEOUT_SECONDS,
+        head_timeout=HEAD_TIMEOUT_SECONDS,
+        handler_cancellation=True,
+        access_log=None,
+    )
+
+    def announce(port: int) -> None:
         log.warning(
             "notify-sidecar listening on %s:%d, ZMQ PULL on %s",
             opts.host,
             port,
             sidecar.zmq_endpoint,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+
+    await serve(runner, opts.host, opts.port, 1024, port_file, announce)
