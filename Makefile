@@ -19,11 +19,11 @@ export PD_HELM_BINARIES := $(abspath $(HELM4)):$(abspath $(HELM3))
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml)
+$(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml router/dev/pyproject.toml)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install --quiet -e 'router[test]'; fi
+	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install --quiet -e 'router[test]' -e router/dev; fi
 	@touch $@
 
 helm: $(VENV)/.installed ## Install the virtualenv and Helm 4 and 3 only (what render, snapshot and docs need)
@@ -63,10 +63,10 @@ docs: helm ## Regenerate values.schema.json descriptions and the chart README va
 	$(PY) ci/chartdoc.py --write
 
 demo: $(VENV)/.installed ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
-	$(PY) -m pd_router.demo $(ARGS)
+	$(PY) -m pd_router_dev.demo $(ARGS)
 
 bench: $(VENV)/.installed ## Router vs vllm-router vs direct, on zero-delay simulated engines
-	$(PY) -m pd_router.bench $(ARGS)
+	$(PY) -m pd_router_dev.bench $(ARGS)
 
 fmt: $(VENV)/.installed ## Format Python code
 	$(VENV)/bin/ruff format router tests ci charts/pd-inference/files

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_router.devstack import DEMO_CONFIG, Proc, Stack, free_port
+from pd_router_dev.devstack import DEMO_CONFIG, Proc, Stack, free_port
 
 from tests import helm
 

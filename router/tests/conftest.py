@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_router.devstack import Stack
+from pd_router_dev.devstack import Stack
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import openai
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from pd_router.devstack import DEMO_CONFIG, Proc, Stack, free_port
+from pd_router_dev.devstack import DEMO_CONFIG, Proc, Stack, free_port
 
 MODEL = "llama-3.3-70b"
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from pd_router import cli
-from pd_router.devstack import Proc, Stack, free_port
 from pd_router.metrics_proxy import _LoopbackResolver, parse_upstream
+from pd_router_dev.devstack import Proc, Stack, free_port
 from router_testlib import http_call, metric_value, run_cli
 
 FAKE_TIMEOUT = "2"  # the scripted upstream's proxy: bounds the stall tests only

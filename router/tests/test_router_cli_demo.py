@@ -1,4 +1,4 @@
-"""The CLI, the example config and `make demo` (python -m pd_router.demo --once)."""
+"""The CLI, the example config and `make demo` (python -m pd_router_dev.demo --once)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_env_override_error_names_field(tmp_path: Path) -> None:
 
 def test_demo_once() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pd_router.demo", "--once"],
+        [sys.executable, "-m", "pd_router_dev.demo", "--once"],
         capture_output=True,
         check=False,
         text=True,

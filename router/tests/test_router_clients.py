@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pd_router.devstack import Proc, Stack
+from pd_router_dev.devstack import Proc, Stack
 from router_testlib import http_call, post_json, wait_until, write_config
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pd_router.config import ConfigError, load_config, parse_config
-from pd_router.devstack import DEMO_CONFIG
+from pd_router_dev.devstack import DEMO_CONFIG
 
 ROUTER_DIR = Path(__file__).resolve().parents[1]
 

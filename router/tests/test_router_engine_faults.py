@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pd_router.devstack import Proc, Stack
+from pd_router_dev.devstack import Proc, Stack
 from router_testlib import http_call, metric_value, post_json, write_config
 
 SSE_HEAD = (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.devstack import Stack, free_port
+from pd_router_dev.devstack import Stack, free_port
 from router_testlib import MODEL, client, http_call, write_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import zmq
 
-from pd_router.devstack import Proc, Stack, free_port
 from pd_router.lmcache_wire import encode_notif
+from pd_router_dev.devstack import Proc, Stack, free_port
 from router_testlib import (
     MODEL,
     LMCacheStack,

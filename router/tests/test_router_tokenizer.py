@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pd_router.config import ConfigError
-from pd_router.devstack import Proc, Stack
 from pd_router.tokens import TokenCounter
+from pd_router_dev.devstack import Proc, Stack
 from router_testlib import (
     TOKENIZER_ALLOWANCE as ALLOWANCE,
 )

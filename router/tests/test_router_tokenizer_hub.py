@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from pd_router.config import ConfigError, TokenizerHub, parse_config
-from pd_router.devstack import Proc, Stack
 from pd_router.hub_tokenizer import tokenizer_url
+from pd_router_dev.devstack import Proc, Stack
 from router_testlib import (
     TOKENIZER_ALLOWANCE as ALLOWANCE,
 )

@@ -12,7 +12,7 @@ from pd_router.auth import ApiKeys
 from pd_router.config import ConfigError
 from pd_router.discovery import Endpoint
 from pd_router.lmcache_wire import decode_notif, encode_notif
-from pd_router.sim import model as M
+from pd_router_dev.sim import model as M
 
 
 def test_proxy_notif_wire_format_matches_lmcache() -> None:

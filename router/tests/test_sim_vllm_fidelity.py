@@ -17,11 +17,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_router.sim import engine as E
-from pd_router.sim import model as M
-from pd_router.sim.__main__ import parse_args
-from pd_router.sim.metrics import VllmMetrics
-from pd_router.sim.server import SimConfig, build_app
+from pd_router_dev.sim import engine as E
+from pd_router_dev.sim import model as M
+from pd_router_dev.sim.__main__ import parse_args
+from pd_router_dev.sim.metrics import VllmMetrics
+from pd_router_dev.sim.server import SimConfig, build_app
 
 MODEL = "llama-3.3-70b"
 CHAT = "/v1/chat/completions"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pd_router.devstack import Proc, Stack, free_port, vllm_router_binary, vllm_router_command
+from pd_router_dev.devstack import Proc, Stack, free_port, vllm_router_binary, vllm_router_command
 from router_testlib import answer, http_call, long_text, wait_until
 
 PROMPT = long_text(300)

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from pd_router.devstack import DEMO_CONFIG, Proc, Stack, free_port
+from pd_router_dev.devstack import DEMO_CONFIG, Proc, Stack, free_port
 
 from tests import helm
 from tests.cases import LMCACHE

@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 import yaml
-from pd_router.devstack import Stack, free_port
+from pd_router_dev.devstack import Stack, free_port
 
 from tests import helm
 from tests.observability import scrape

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pd_router.devstack import free_port
+from pd_router_dev.devstack import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # The pin lives in scripts/install-tools.sh (PROMETHEUS_VERSION), which installs the binaries here.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +89,16 @@ class AppRunner(web.AppRunner):
         )
 
 
+def write_port_file(path: str | None, port: int) -> None:
+    """Tell whoever started this process the bound port: written atomically once listening
+    (``--port-file``; the development stack waits for it)."""
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)
+
+
 async def serve(
     runner: AppRunner,
     host: str,
@@ -97,10 +108,8 @@ async def serve(
     announce: Callable[[int], None],
 ) -> None:
     """Run ``runner`` on host:port until SIGTERM or SIGINT: bind, tell the starter the bound
-    port (``port_file``, see pd_router.devstack), ``announce(port)``, then clean up. The one
+    port (``port_file``, read by the test harness), ``announce(port)``, then clean up. The one
     serving loop of the router, the notification sidecar and the metrics proxy."""
-    from pd_router.devstack import write_port_file
-
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, backlog=backlog, reuse_address=True)

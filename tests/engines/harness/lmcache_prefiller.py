@@ -5,7 +5,7 @@ PDBackendAsync, sender AND receiver, over NIXL (UCX) on CPU buffers.
 
 The HTTP side is the part of vLLM the router talks to during an LMCache hand-off: GET /health,
 POST /tokenize and the one-token prefill leg POST /v1/completions (tokens and the first token come
-from the simulated engine's deterministic model, pd_router.sim.model, so a disaggregated answer
+from the simulated engine's deterministic model, pd_router_dev.sim.model, so a disaggregated answer
 can be compared with a direct one). Everything after that is LMCache's: for the request id the
 router put into `kv_transfer_params.disagg_spec`, one sender per TP rank (worker_id = rank) builds
 the DisaggSpec as vLLM's LMCacheConnectorV1 does, asks the receiver of its rank for buffer slots
@@ -42,8 +42,10 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.pd_backend_async import PDBackendAsync
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "router" / "src"))
-from pd_router.sim import model as M  # noqa: E402
+_ROUTER = Path(__file__).resolve().parents[3] / "router"
+# this runs under the engine stack's Python, which has neither package installed
+sys.path[:0] = [str(_ROUTER / "src"), str(_ROUTER / "dev" / "src")]
+from pd_router_dev.sim import model as M  # noqa: E402
 
 HEADS, HEAD_DIM, DTYPE = 1, 8, torch.float16
 

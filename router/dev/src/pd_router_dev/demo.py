@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from pd_router.config import load_config
-from pd_router.devstack import DEMO_CONFIG, Stack, free_port
+from pd_router_dev.devstack import DEMO_CONFIG, Stack, free_port
 
 MODEL = "llama-3.3-70b"
 LONG_DOC = (
@@ -45,7 +45,7 @@ def _ask(client: object, content: str) -> tuple[str, str, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pd_router.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="pd_router_dev.demo", description=__doc__)
     p.add_argument("--once", action="store_true", help="exit after the two requests")
     p.add_argument("--connector", choices=["lmcache", "nixl"], default="lmcache")
     a = p.parse_args(argv)

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_router.sim import model as M
+from pd_router_dev.sim import model as M
 
 VERSIONS = ("0.31", "0.33")
 FULL_VERSION = {"0.31": "0.31.0", "0.33": "0.33.0"}

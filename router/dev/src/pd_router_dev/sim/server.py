@@ -49,12 +49,12 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pd_router.devstack import write_port_file
+from pd_router.http_server import write_port_file
 from pd_router.lmcache_wire import encode_notif
-from pd_router.sim import model as M
-from pd_router.sim import protocol as P
-from pd_router.sim.engine import BLOCK_SIZE, Engine, Event, Run, Seq
-from pd_router.sim.metrics import VllmMetrics
+from pd_router_dev.sim import model as M
+from pd_router_dev.sim import protocol as P
+from pd_router_dev.sim.engine import BLOCK_SIZE, Engine, Event, Run, Seq
+from pd_router_dev.sim.metrics import VllmMetrics
 
 FAULTS = (
     "none",

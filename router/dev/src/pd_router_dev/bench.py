@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from pd_router.devstack import (
+from pd_router_dev.devstack import (
     DEMO_CONFIG,
     Stack,
     free_port,
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "loadgen":
         return loadgen_main(argv[1:])
-    p = argparse.ArgumentParser(prog="pd_router.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="pd_router_dev.bench", description=__doc__)
     p.add_argument("--duration", type=float, default=2.5, help="measured seconds per cell")
     p.add_argument("--concurrency", default="1,32,256")
     p.add_argument("--out", help="also write the markdown table here")
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                             [
                                 sys.executable,
                                 "-m",
-                                "pd_router.bench",
+                                "pd_router_dev.bench",
                                 "loadgen",
                                 "--url",
                                 base + "/v1/chat/completions",

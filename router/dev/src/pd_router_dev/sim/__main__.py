@@ -1,4 +1,4 @@
-"""``pd-sim-engine``: run one simulated vLLM engine (``python -m pd_router.sim``)."""
+"""``pd-sim-engine``: run one simulated vLLM engine (``python -m pd_router_dev.sim``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import signal
 import sys
 
-from pd_router.sim.protocol import VERSIONS
-from pd_router.sim.server import FAULTS, SimConfig, serve
+from pd_router_dev.sim.protocol import VERSIONS
+from pd_router_dev.sim.server import FAULTS, SimConfig, serve
 
 
 def _ports(s: str) -> list[int]:

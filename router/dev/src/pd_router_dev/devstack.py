@@ -23,15 +23,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def write_port_file(path: str | None, port: int) -> None:
-    """Tell the starter (``_spawn``) the bound port: written atomically once listening."""
-    if path:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, path)
-
-
 class Proc:
     def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path, port: int) -> None:
         self.name = name
@@ -123,7 +114,7 @@ def vllm_router_command(prefill_url: str, decode_url: str, port: int, *extra: st
 
 
 def start_sim(name: str, workdir: Path, *args: str) -> Proc:
-    return _spawn(name, [sys.executable, "-m", "pd_router.sim", *args], workdir)
+    return _spawn(name, [sys.executable, "-m", "pd_router_dev.sim", *args], workdir)
 
 
 def start_router(

@@ -29,10 +29,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pd_router.sim import model as M
+from pd_router_dev.sim import model as M
 
 if TYPE_CHECKING:
-    from pd_router.sim.metrics import VllmMetrics
+    from pd_router_dev.sim.metrics import VllmMetrics
 
 BLOCK_SIZE = 16  # config/cache.py (0.31) CacheConfig.DEFAULT_BLOCK_SIZE
 
