@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pd_router.app import MAX_JSON_DEPTH
-from pd_router.handoff_nixl import PREFILL_PARAMS
+from pd_router.handoff.nixl import PREFILL_PARAMS
+from pd_router.openai_wire import MAX_JSON_DEPTH
 from pd_router_dev.devstack import Proc, Stack
 from router_testlib import LMCacheStack, deep_merge, http_call, long_text, write_config
 

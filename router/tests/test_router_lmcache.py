@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from pd_router.lmcache_wire import encode_notif
+from pd_router.handoff.lmcache_wire import encode_notif
 from pd_router_dev.devstack import Proc, Stack, free_port
 from router_testlib import (
     MODEL,

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from pd_router.config import ConfigError, parse_config
-from pd_router.lmcache_wire import encode_notif
+from pd_router.handoff.lmcache_wire import encode_notif
 from pd_router_dev.devstack import Proc, Stack, free_port
 from router_testlib import (
     MODEL,

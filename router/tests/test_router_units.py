@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from pd_router import balancing
-from pd_router.app import validate
 from pd_router.auth import ApiKeys
 from pd_router.config import ConfigError
 from pd_router.discovery import Endpoint
-from pd_router.lmcache_wire import decode_notif, encode_notif
+from pd_router.handoff.lmcache_wire import decode_notif, encode_notif
+from pd_router.openai_wire import validate
 from pd_router_dev.sim import model as M
 
 
@@ -101,20 +101,24 @@ def test_validate(body: object, chat: bool, ok: bool) -> None:
 
 
 def test_preset_label_values_are_the_ones_the_router_records() -> None:
-    """metrics.py creates these children at 0 at start-up; a value app.py records but the preset
+    """metrics.py creates these children at 0 at start-up; a value the router records but the preset
     lacks would be born at 1, an increase rate() and the chart's alerts never see."""
     import re
     from pathlib import Path
 
     from pd_router import metrics
 
-    src = (Path(metrics.__file__).parent / "app.py").read_text()
-    reasons = set(re.findall(r'_fallback\(request, ctx, raw, body, "(\w+)"\)', src))
-    reasons |= set(re.findall(r'fallbacks\.labels\("(\w+)"\)', src))
+    pkg = Path(metrics.__file__).parent
+    src = "\n".join(f.read_text() for f in sorted(pkg.rglob("*.py")))
+    reasons = set(re.findall(r'fallback\(ctx, down, "(\w+)"\)', src))
+    reasons |= set(re.findall(r'\.fallback\("(\w+)"\)', src))
+    # LMCacheRoute._plan answers a fallback reason as a string
+    plan = (pkg / "handoff" / "lmcache.py").read_text().split("async def _plan", 1)[1]
+    plan = plan.split("\n    async def ", 1)[0]
+    reasons |= set(re.findall(r'return "(\w+)"', plan)) - {"no_decoder"}
     reasons |= set(re.findall(r'return "(prefill_\w+)" if', src)) | {"prefill_error"}
-    assert reasons and reasons <= set(metrics.FALLBACK_REASONS), reasons - set(
-        metrics.FALLBACK_REASONS
-    )
+    assert {"unsupported_fields", "too_long", "decode_retry", "notify_timeout"} <= reasons
+    assert reasons <= set(metrics.FALLBACK_REASONS), reasons - set(metrics.FALLBACK_REASONS)
     assert set(re.findall(r'rejected\.labels\("(\w+)"\)', src)) == set(metrics.REJECT_REASONS)
     text = metrics.Metrics().render().decode()
     assert 'pd_router_fallbacks_total{reason="notify_timeout"} 0.0' in text
@@ -139,7 +143,7 @@ def test_preset_label_values_are_the_ones_the_router_records() -> None:
 def test_too_deep(raw: bytes, deep: bool) -> None:
     import orjson
 
-    from pd_router.app import too_deep
+    from pd_router.openai_wire import too_deep
 
     assert too_deep(raw, orjson.loads(raw)) is deep
 

@@ -59,7 +59,7 @@ def _fast_loop() -> None:
 
 def _sidecar_main(a: argparse.Namespace) -> int:
     from pd_router import logs
-    from pd_router.notify_sidecar import SidecarOptions, run_sidecar
+    from pd_router.handoff.lmcache_sidecar import SidecarOptions, run_sidecar
 
     errors = []
     if not 0 <= a.port <= 65535:

@@ -25,7 +25,7 @@ ENV_PREFIX = "PD_ROUTER__"
 # An HTTP header name (RFC 9110 token); the chart's schema takes it from here (ci/chartdoc.py).
 HEADER_NAME_RE = r"[A-Za-z0-9!#$%&'*+.^_`|~-]+"
 MIN_MAX_BODY_BYTES = 1024
-# bounds of the notification sidecar's wait endpoint (pd_router.notify_sidecar)
+# bounds of the notification sidecar's wait endpoint (pd_router.handoff.lmcache_sidecar)
 SIDECAR_MAX_COUNT = 64
 SIDECAR_MAX_TIMEOUT = 600.0
 

@@ -1,4 +1,4 @@
-"""Prompt token counting for the routing decision.
+"""Prompt token counting for the routing decision (no I/O; the ladder is pd_router.decide).
 
 Order (cheapest exact-enough first):
 1. ``threshold == 0``: nothing to count (every request is disaggregated).
@@ -10,14 +10,12 @@ Order (cheapest exact-enough first):
    (``model.tokenizer``) or fetched once at start-up from a hub (``model.tokenizerHub``,
    pd_router.hub_tokenizer).
 5. The engine's ``POST /tokenize`` (applies the real chat template; the ids are reused as the
-   LMCache prefill prompt). Request/response checked against vLLM v0.11
-   (``TokenizeChatRequest``/``TokenizeCompletionRequest`` -> ``{count, max_model_len, tokens}``).
+   LMCache prefill prompt): ``pd_router.legs.Legs.tokenize``.
 6. Estimate (bytes / 4) when nothing else answered; counted in ``pd_router_token_count``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -25,20 +23,9 @@ from typing import Any
 import orjson
 
 from pd_router.config import ConfigError
-from pd_router.discovery import Endpoint
-from pd_router.upstream import UpstreamClient
 
 log = logging.getLogger("pd_router.tokens")
 
-TEMPLATE_FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "mm_processor_kwargs",
-    "tools",
-)
 TEMPLATE_BASE = 64  # allowance for chat-template tokens (system header, generation prompt)
 TEMPLATE_PER_MESSAGE = 8
 
@@ -116,8 +103,6 @@ class TokenCounter:
         self.served_name = served_name
         self.local = load_local_tokenizer(tokenizer_spec) if tokenizer_spec else None
         self.source = "file" if self.local is not None else "none"
-        # the engines' context length, learnt from /tokenize (LMCache decode-leg max_tokens)
-        self.max_model_len: int | None = None
 
     def use(self, tokenizer: Any, source: str) -> None:
         """Install a tokenizer obtained after construction (the hub fetch at start-up)."""
@@ -127,43 +112,3 @@ class TokenCounter:
     def local_count(self, text: str, allowance: int) -> int:
         assert self.local is not None
         return len(self.local.encode(text, add_special_tokens=False).ids) + allowance
-
-    async def engine_tokenize(
-        self,
-        up: UpstreamClient,
-        ep: Endpoint,
-        body: dict[str, Any],
-        chat: bool,
-        timeout: float,
-        headers: bytes,
-    ) -> list[int]:
-        if chat:
-            req: dict[str, Any] = {
-                "model": self.served_name,
-                "messages": body["messages"],
-                "add_generation_prompt": True,
-            }
-            # everything that shapes the chat template's output, as the client sent it
-            # (vLLM v0.11 TokenizeChatRequest fields), so the ids equal a direct request's
-            for key in TEMPLATE_FIELDS:
-                if key in body:
-                    req[key] = body[key]
-        else:
-            req = {"model": self.served_name, "prompt": body.get("prompt")}
-            if isinstance(req["prompt"], list):
-                req["prompt"] = req["prompt"][0]
-        async with asyncio.timeout(timeout):
-            resp = await up.post(
-                ep.host, ep.port, ep.tls, "/tokenize", orjson.dumps(req), headers, timeout, timeout
-            )
-            data = await resp.read_release()
-        if resp.status != 200:
-            raise RuntimeError(f"/tokenize answered {resp.status}")
-        out = orjson.loads(data)
-        toks = out["tokens"]
-        if not isinstance(toks, list):
-            raise RuntimeError("/tokenize returned no token list")
-        mml = out.get("max_model_len")
-        if type(mml) is int and mml > 0:
-            self.max_model_len = mml
-        return toks

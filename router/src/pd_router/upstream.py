@@ -10,14 +10,16 @@ and timeouts (connect, time to headers, idle gap between body chunks). A connect
 response was not read to the end is closed, never reused, so the engine sees the disconnect and
 aborts the request. A pooled connection the engine closed while idle is detected (or, when the
 close races the request, the request is sent once more on a new connection); a connection that
-receives bytes while idle is dropped.
+receives bytes while idle is dropped. ``post(on_done=...)`` binds a callback (an endpoint
+lease's release, ``pd_router.lease``) to the response: it runs exactly once, when the response
+is released or closed, or when ``post`` itself fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httptools
 
@@ -141,6 +143,7 @@ class Response:
         "_conn",
         "_exc",
         "_idle",
+        "_on_done",
         "_paused",
         "_stale",
         "_waiter",
@@ -165,6 +168,13 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self._exc: Exception | None = None
         self._stale = False
+        self._on_done: Callable[[], None] | None = None
+
+    def _done(self) -> None:
+        cb = self._on_done
+        if cb is not None:
+            self._on_done = None
+            cb()
 
     # called by the protocol
     def _wake(self) -> None:
@@ -256,10 +266,12 @@ class Response:
             conn.pool.put(conn)
         else:
             conn.close()
+        self._done()
 
     def close(self) -> None:
         self._conn.resp = None
         self._conn.close()
+        self._done()
 
 
 def _timeout(fut: asyncio.Future[None]) -> None:
@@ -318,9 +330,33 @@ class UpstreamClient:
         headers: bytes,
         first_byte_timeout: float,
         idle_timeout: float,
+        on_done: Callable[[], None] | None = None,
     ) -> Response:
         """Send a POST; returns once the response headers arrived. ``headers`` is the
-        pre-encoded header block (``Name: value\r\n`` lines)."""
+        pre-encoded header block (``Name: value\r\n`` lines). ``on_done`` runs once: when the
+        returned response is released or closed, or now if this raises."""
+        try:
+            resp = await self._post(
+                host, port, tls, path, body, headers, first_byte_timeout, idle_timeout
+            )
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
+        resp._on_done = on_done
+        return resp
+
+    async def _post(
+        self,
+        host: str,
+        port: int,
+        tls: bool,
+        path: str,
+        body: bytes,
+        headers: bytes,
+        first_byte_timeout: float,
+        idle_timeout: float,
+    ) -> Response:
         pool = self._pool(host, port, tls)
         start = pool.starts.get(path)
         if start is None:

@@ -32,13 +32,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pd_router.config import SIDECAR_MAX_COUNT, SIDECAR_MAX_TIMEOUT
+from pd_router.handoff.lmcache_wire import receive_notifications
 from pd_router.http_server import AppRunner, serve
-from pd_router.lmcache_wire import receive_notifications
 
 HEAD_TIMEOUT_SECONDS = 5.0  # a client's first request head, whole
 IDLE_TIMEOUT_SECONDS = 60.0  # keep-alive between the router's waits
 
-log = logging.getLogger("pd_router.notify_sidecar")
+log = logging.getLogger("pd_router.handoff.lmcache_sidecar")
 
 
 @dataclass

@@ -1,0 +1,37 @@
+"""The direct route: one decoder prefills and decodes. Also where every disaggregated request
+ends up when its hand-off cannot be used (route ``fallback``, reason counted)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from pd_router.failures import LegError
+from pd_router.legs import Downstream, Legs
+from pd_router.request import FALLBACK, Ctx
+
+
+class DirectRoute:
+    def __init__(self, legs: Legs) -> None:
+        self.legs = legs
+
+    async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+        return await self.send(ctx, down, ctx.raw)
+
+    async def send(
+        self, ctx: Ctx, down: Downstream, data: bytes, retry_data: bytes | None = None
+    ) -> web.StreamResponse:
+        """``data`` to a decoder (retries send ``retry_data`` when given), relayed back."""
+        legs = self.legs
+        try:
+            resp, ep = await legs.open_decoder(
+                ctx, ctx.path, data, ctx.stream, retry_data=retry_data
+            )
+        except LegError as err:
+            return legs.fail(ctx, down, err)
+        return await legs.relay(ctx, down, resp, ep, ctx.stream)
+
+    async def fallback(self, ctx: Ctx, down: Downstream, reason: str) -> web.StreamResponse:
+        """Serve a request meant for the hand-off directly, counting why."""
+        self.legs.outcomes.fallback(reason)
+        ctx.route = FALLBACK
+        return await self.send(ctx, down, ctx.raw)

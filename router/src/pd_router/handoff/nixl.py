@@ -1,0 +1,98 @@
+"""vLLM NixlConnector hand-off (stateless): prefill with ``do_remote_decode``, then send the
+decoder the original request with the ``kv_transfer_params`` the prefiller returned.
+
+Checked against vLLM v0.11 ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` and
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py``: the prefill request is
+the original with ``stream: false``, ``max_tokens: 1`` (and ``max_completion_tokens: 1``),
+``stream_options`` removed; its response carries top-level ``kv_transfer_params``
+(``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
+``remote_port``, ``remote_request_id``...), passed to the decoder unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pd_router import balancing
+from pd_router.failures import LegError
+from pd_router.handoff.direct import DirectRoute
+from pd_router.legs import Downstream, Legs
+from pd_router.lengths import lower_min_tokens, min_tokens_above, requested_max_tokens
+from pd_router.request import DISAGG, Ctx
+
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    req = dict(body)
+    req["stream"] = False
+    req.pop("stream_options", None)
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    lower_min_tokens(req, produced=0, limit=1)
+    req["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    return req
+
+
+def decode_params(prefill_response: Any) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` to hand to the decoder, or None if the prefiller sent none."""
+    if not isinstance(prefill_response, dict):
+        return None
+    kvp = prefill_response.get("kv_transfer_params")
+    if not isinstance(kvp, dict) or not kvp:
+        return None
+    return kvp
+
+
+def decode_body(body: dict[str, Any], kvp: dict[str, Any]) -> dict[str, Any]:
+    req = dict(body)
+    req["kv_transfer_params"] = kvp
+    return req
+
+
+class NixlRoute:
+    def __init__(self, legs: Legs, direct: DirectRoute) -> None:
+        self.legs = legs
+        self.direct = direct
+
+    async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+        legs, direct, body = self.legs, self.direct, ctx.body
+        if min_tokens_above(body, requested_max_tokens(body, ctx.chat)):
+            # invalid as sent (vLLM answers 400): no prefill for it
+            return await direct.fallback(ctx, down, "unsupported_fields")
+        ep = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
+        if ep is None:
+            return await direct.fallback(ctx, down, "no_prefiller")
+        ctx.route = DISAGG
+        t0 = time.perf_counter()
+        # prefiller load: the exact prompt length when it was counted, else bytes / 4
+        ntok = ctx.ntok or len(ctx.raw) // 4
+        try:
+            status, resp, praw = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
+        except LegError as err:
+            return await direct.fallback(ctx, down, legs.prefill_failed(ep, err))
+        if status != 200:
+            return legs.passthrough(ctx, down, status, praw)
+        legs.prefill_pool.report_success(ep)
+        kvp = decode_params(resp)
+        if kvp is None:
+            legs.outcomes.upstream("prefill", "no_kv_params")
+            return await direct.fallback(ctx, down, "no_kv_params")
+        legs.outcomes.handoff_wait("nixl", time.perf_counter() - t0)
+        data = orjson.dumps(decode_body(body, kvp))
+        # A retry goes out without the hand-off: the failed decoder may already have pulled
+        # the blocks, and the prefiller frees them once pulled (vLLM v0.11 NixlConnector), so
+        # the next decoder recomputes the prompt instead of reading blocks that may be reused.
+        return await direct.send(ctx, down, data, retry_data=ctx.raw)

@@ -1,0 +1,412 @@
+"""The legs of a request: the client side (:class:`Downstream`) and the engine calls
+(:class:`Legs`): open a decoder response with the ONE retry loop, run a prefill, ask an
+engine's /tokenize, relay or pump a decoder's answer to the client.
+
+Every engine call holds a :class:`~pd_router.lease.Lease` on its endpoint, bound to the
+upstream response, and every failure is a :class:`~pd_router.failures.LegError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pd_router import balancing
+from pd_router.config import Timeouts
+from pd_router.discovery import Endpoint, EndpointPool
+from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
+from pd_router.lease import Lease
+from pd_router.openai_wire import error_body, error_detail, sse_error, tokenize_request
+from pd_router.request import FALLBACK, Ctx, Outcomes
+from pd_router.upstream import Response, UpstreamClient
+
+log = logging.getLogger("pd_router")
+
+Relabel = Callable[[bytes], bytes]
+
+
+class ClientGone(Exception):
+    """The client disconnected (or stopped reading) while we streamed to it."""
+
+
+class Downstream:
+    """The client side of one request. Routes answer through it, never through aiohttp
+    directly: ``reply`` (a whole answer) or ``open_stream`` / ``write`` / ``end`` (SSE)."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.response is not None and self.response.prepared
+
+    def reply(
+        self, status: int, body: bytes, headers: dict[str, str], ctype: str | None = None
+    ) -> web.StreamResponse:
+        if ctype is not None:
+            self.response = web.Response(
+                status=status, body=body, content_type=ctype, headers=headers
+            )
+        else:
+            self.response = web.Response(status=status, body=body, headers=headers)
+        return self.response
+
+    def error(
+        self, status: int, message: str, etype: str, headers: dict[str, str] | None = None
+    ) -> web.StreamResponse:
+        return self.reply(status, error_body(status, message, etype), headers or {}, JSON)
+
+    async def open_stream(self, headers: dict[str, str]) -> None:
+        """Send 200 and the headers of a stream; :class:`ClientGone` if the client left."""
+        out = self.response = web.StreamResponse(status=200, headers=headers)
+        try:
+            await out.prepare(self._request)
+        except ConnectionError:
+            raise ClientGone from None
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(data)
+        except ConnectionError:
+            raise ClientGone from None
+
+    async def end(self) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write_eof()
+        except ConnectionError:
+            raise ClientGone from None
+
+    async def stream_error(
+        self, message: str, etype: str = "upstream_error", code: int = 502
+    ) -> None:
+        """End a stream whose 200 is already sent with an error event (best effort)."""
+        assert self.response is not None
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self.response.write(sse_error(message, etype, code))
+            await self.response.write_eof()
+
+
+JSON = "application/json"
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+class Legs:
+    def __init__(
+        self,
+        timeouts: Timeouts,
+        up: UpstreamClient,
+        prefill: EndpointPool,
+        decode: EndpointPool,
+        outcomes: Outcomes,
+        served: str,
+    ) -> None:
+        self.t = timeouts
+        self.up = up
+        self.prefill_pool = prefill
+        self.decode_pool = decode
+        self.outcomes = outcomes
+        self.served = served
+        self.t_tokenize = min(30.0, timeouts.first_byte_seconds)
+        # a streaming client that accepts nothing for this long is dropped
+        self.stall = 2 * timeouts.stream_idle_seconds
+        # the engines' context length, learnt from /tokenize (LMCache decode-leg max_tokens)
+        self.max_model_len: int | None = None
+
+    # ------------------------------------------------------------------ decoders
+    async def open_decoder(
+        self,
+        ctx: Ctx,
+        path: str,
+        data: bytes,
+        stream: bool,
+        *,
+        prefer: Endpoint | None = None,
+        exclude: Sequence[Endpoint] = (),
+        retry_data: bytes | None = None,
+    ) -> tuple[Response, Endpoint]:
+        """Open a response on a decoder: ``prefer`` first (the one holding a KV), then the
+        balancer's choice, retrying other decoders on failures before the first byte (connect
+        error, timeout, 5xx, a stream that sends nothing). ``exclude`` (and a failed
+        ``prefer``) are avoided while another healthy decoder remains, then tried once. An
+        upstream 4xx is returned as is. ``retry_data``: what retries send instead of ``data``
+        (the route becomes ``fallback``). Raises the last :class:`LegError`."""
+        pool = self.decode_pool
+        out = self.outcomes
+        idle = self.t.stream_idle_seconds if stream else self.t.first_byte_seconds
+        tried: list[Endpoint] = []
+        avoid: list[Endpoint] = list(exclude)
+        last: LegError | None = None
+        while True:
+            if prefer is not None:
+                ep, prefer = prefer, None
+                avoid.append(ep)
+            else:
+                ep = balancing.pick(
+                    pool.healthy, balancing.decode_load, ctx.affinity, tried + avoid
+                )
+                if ep is None and avoid and all(e in avoid for e in tried):
+                    # only avoided decoders are healthy: better one of them than nothing
+                    ep = balancing.pick(pool.healthy, balancing.decode_load, ctx.affinity)
+                    avoid = []
+            if ep is None:
+                raise last or LegError.no_decoder()
+            if tried:
+                out.retry("decode")
+                if retry_data is not None and data is not retry_data:
+                    data = retry_data
+                    out.fallback("decode_retry")
+                    ctx.route = FALLBACK
+            tried.append(ep)
+            try:
+                resp = await self._try_decoder(ctx, ep, path, data, stream, idle)
+            except LegError as err:
+                pool.report_failure(ep)
+                out.upstream("decode", err.kind)
+                if err.kind != "5xx":
+                    log.warning(
+                        "decoder %s failed: %s", ep.base, err.kind, extra={"request_id": ctx.rid}
+                    )
+                last = err
+                continue
+            pool.report_success(ep)
+            return resp, ep
+
+    async def _try_decoder(
+        self, ctx: Ctx, ep: Endpoint, path: str, data: bytes, stream: bool, idle: float
+    ) -> Response:
+        """One try. A stream is only handed on once its first bytes arrived (vLLM sends the
+        headers at once and the first chunk with the first token), so a decoder that accepts a
+        stream and then dies or stalls for ``firstByteSeconds`` is still retried."""
+        fb = self.t.first_byte_seconds
+        lease = Lease(ep)
+        started = time.monotonic()
+        try:
+            resp = await self.up.post(
+                ep.host, ep.port, ep.tls, path, data, ctx.headers, fb, idle, lease.release
+            )
+        except UPSTREAM_ERRORS as exc:
+            raise LegError.of(exc) from None
+        if resp.status >= 500:
+            try:
+                body = await resp.read_release()
+            except UPSTREAM_ERRORS:
+                body = b""
+            raise LegError("5xx", resp.status, body, resp.headers.get("content-type", ""))
+        if stream and resp.status == 200:
+            try:  # firstByteSeconds counts from the request, headers included
+                await resp.first_data(max(0.0, fb - (time.monotonic() - started)))
+            except UPSTREAM_ERRORS as exc:
+                resp.close()  # the engine aborts the request
+                raise LegError.of(exc, "stream") from None
+            except BaseException:
+                resp.close()
+                raise
+        return resp
+
+    # ------------------------------------------------------------------ prefillers
+    async def prefill(
+        self, ctx: Ctx, ep: Endpoint, path: str, body: dict[str, Any], ntok: int
+    ) -> tuple[int, Any, bytes]:
+        """A non-streaming prefill request: (200, parsed JSON, raw) or an engine 4xx as
+        (status, None, raw). Anything else raises :class:`LegError` (connect, timeout, 5xx,
+        bad_response). The prefiller's load counts ``ntok`` prompt tokens meanwhile."""
+        lease = Lease(ep, ntok)
+        ps = self.t.prefill_seconds
+        try:
+            # headers within prefillSeconds, then no gap longer than prefillSeconds
+            r = await self.up.post(
+                ep.host,
+                ep.port,
+                ep.tls,
+                path,
+                orjson.dumps(body),
+                ctx.headers,
+                ps,
+                ps,
+                lease.release,
+            )
+            raw = await r.read_release()
+        except UPSTREAM_ERRORS as exc:
+            raise LegError.of(exc) from None
+        status = r.status
+        if 400 <= status < 500:
+            return status, None, raw
+        if status >= 500:
+            raise LegError("5xx", status, raw)
+        if status != 200:
+            raise LegError("bad_response", 502)
+        try:
+            return status, orjson.loads(raw), raw
+        except orjson.JSONDecodeError:
+            raise LegError("bad_response", 502) from None
+
+    def prefill_failed(self, ep: Endpoint, err: LegError) -> str:
+        """Count a failed prefill leg against its prefiller; the fallback reason."""
+        self.outcomes.upstream("prefill", err.kind)
+        self.prefill_pool.report_failure(ep)
+        return "prefill_timeout" if err.kind == "timeout" else "prefill_error"
+
+    # ------------------------------------------------------------------ /tokenize
+    async def tokenize(self, ctx: Ctx, ep: Endpoint, body: dict[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids from an engine's /tokenize (vLLM v0.11
+        ``TokenizeChatRequest``/``TokenizeCompletionRequest`` -> ``{count, max_model_len,
+        tokens}``); learns ``max_model_len``. Raises :class:`TokenizeError`."""
+        req = orjson.dumps(tokenize_request(body, chat, self.served))
+        t = self.t_tokenize
+        try:  # not leased: counting is not load the balancer should weigh
+            async with asyncio.timeout(t):
+                resp = await self.up.post(
+                    ep.host, ep.port, ep.tls, "/tokenize", req, ctx.headers, t, t
+                )
+                data = await resp.read_release()
+            if resp.status != 200:
+                raise TokenizeError(f"/tokenize answered {resp.status}")
+            out = orjson.loads(data)
+            toks = out["tokens"]
+            mml = out.get("max_model_len")
+        except UPSTREAM_ERRORS as exc:
+            raise TokenizeError(f"/tokenize failed: {exc!r}") from None
+        except (ValueError, KeyError, TypeError) as exc:  # orjson's error is a ValueError
+            raise TokenizeError(f"/tokenize gave an unreadable answer: {exc!r}") from None
+        if not isinstance(toks, list):
+            raise TokenizeError("/tokenize returned no token list")
+        if type(mml) is int and mml > 0:
+            self.max_model_len = mml
+        return toks
+
+    # ------------------------------------------------------------------ to the client
+    def fail(self, ctx: Ctx, down: Downstream, err: LegError) -> web.StreamResponse:
+        """The answer when no engine could serve: the engine's own JSON 5xx if it sent one."""
+        self.outcomes.count(ctx.route, "upstream_error")
+        hdrs = ctx.reply_headers()
+        if err.body is not None and err.ctype.startswith(JSON):
+            return down.reply(err.status, err.body, hdrs, JSON)
+        msg = {503: "no healthy decoder available", 504: "upstream timed out"}.get(
+            err.status, "upstream engine failed"
+        )
+        if err.status == 503:
+            hdrs["Retry-After"] = "2"
+        return down.error(err.status, msg, "upstream_error", hdrs)
+
+    def passthrough(
+        self, ctx: Ctx, down: Downstream, status: int, raw: bytes
+    ) -> web.StreamResponse:
+        """An engine's 4xx answer, as the engine sent it."""
+        self.outcomes.count(ctx.route, "client_error")
+        return down.reply(status, raw, ctx.reply_headers(), JSON)
+
+    async def error_detail(self, resp: Response, limit: int = 4096) -> tuple[str, str]:
+        """(type, message) of an engine's error answer, from at most its first ``limit`` bytes
+        (read under the response's idle timeout); the response is released."""
+        buf = b""
+        try:
+            async with contextlib.aclosing(resp.iter_any()) as chunks:
+                async for chunk in chunks:
+                    buf += chunk
+                    if len(buf) >= limit:
+                        break
+        except UPSTREAM_ERRORS:
+            pass
+        finally:
+            resp.release()
+        return error_detail(buf)
+
+    async def relay(
+        self, ctx: Ctx, down: Downstream, resp: Response, ep: Endpoint, stream: bool
+    ) -> web.StreamResponse:
+        """Forward a decoder's answer as it is (bytes as they come, no re-encoding)."""
+        hdrs = ctx.reply_headers()
+        hdrs["Content-Type"] = resp.headers.get("content-type", JSON)
+        if stream and resp.status == 200:
+            hdrs["Cache-Control"] = "no-cache"
+            try:
+                await down.open_stream(hdrs)
+            except ClientGone:
+                resp.close()  # the engine aborts the request
+                self.outcomes.disconnect(ctx)
+                assert down.response is not None
+                return down.response
+            except BaseException:
+                resp.close()
+                raise
+            return await self.pump(ctx, down, resp, ep)
+        try:
+            data = await resp.read_release()  # closed on failure or client disconnect
+        except UPSTREAM_ERRORS as exc:
+            err = LegError.of(exc, "stream")
+            self.outcomes.upstream("decode", err.kind)
+            self.decode_pool.report_failure(ep)
+            return self.fail(ctx, down, err)
+        if resp.status == 200:
+            self.outcomes.answered(ctx)
+        self.outcomes.count(ctx.route, "ok" if resp.status < 400 else "client_error")
+        return down.reply(resp.status, data, hdrs)
+
+    async def pump(
+        self,
+        ctx: Ctx,
+        down: Downstream,
+        resp: Response,
+        ep: Endpoint,
+        relabel: Relabel | None = None,
+    ) -> web.StreamResponse:
+        """Forward a decoder's SSE body to the open stream as it arrives: bytes as they are,
+        or through ``relabel(chunk) -> bytes``. Owns ``resp`` (and so its lease)."""
+        out = self.outcomes
+        ttft_h, itl_h, _ = out.hist(ctx.route)
+        ok = False
+        last = time.perf_counter() if ctx.ttft_done else 0.0
+        loop = asyncio.get_running_loop()
+        stall = self.stall
+        guard = None
+        assert down.response is not None
+        try:
+            try:
+                # guard: a client that stops reading must not hold the stream forever
+                async with asyncio.timeout(stall) as guard:
+                    async for chunk in resp.iter_any():
+                        now = time.perf_counter()
+                        if last:
+                            itl_h.observe(now - last)
+                        else:
+                            ttft_h.observe(now - ctx.t0)
+                        last = now
+                        data = chunk if relabel is None else relabel(chunk)
+                        if data:
+                            await down.write(data)
+                        guard.reschedule(loop.time() + stall)
+                await down.end()
+            except ClientGone:
+                out.disconnect(ctx)
+                return down.response
+            except UPSTREAM_ERRORS:
+                if guard is not None and guard.expired():
+                    out.disconnect(ctx)
+                    return down.response
+                out.upstream("decode", "stream")
+                self.decode_pool.report_failure(ep)
+                await down.stream_error("upstream stream failed")
+                out.count(ctx.route, "upstream_error")
+                ok = True
+                return down.response
+            out.finished(ctx)
+            out.count(ctx.route, "ok")
+            ok = True
+            return down.response
+        finally:
+            if ok:
+                resp.release()
+            else:
+                resp.close()  # client went away: close so the engine aborts the request
