@@ -49,8 +49,8 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from pd_router.handoff.lmcache_wire import encode_notif
 from pd_router.http_server import write_port_file
-from pd_router.lmcache_wire import encode_notif
 from pd_router_dev.sim import model as M
 from pd_router_dev.sim import protocol as P
 from pd_router_dev.sim.engine import BLOCK_SIZE, Engine, Event, Run, Seq

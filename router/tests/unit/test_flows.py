@@ -1,0 +1,375 @@
+"""Each route's flow over fake legs (a scripted upstream, a recording client): what each
+engine is sent, what the client gets, what is counted, and that every endpoint lease is given
+back whatever happened."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from fakes import FakeDownstream, FakeResponse, FakeWaiter, World, ctx
+
+from pd_router import balancing
+from pd_router.config import LMCache
+from pd_router.failures import LegError
+from pd_router.handoff.direct import DirectRoute
+from pd_router.handoff.lmcache import LMCacheRoute
+from pd_router.handoff.nixl import PREFILL_PARAMS, NixlRoute
+from pd_router.lease import Lease
+
+P1, D1, D2 = 9001, 9101, 9102
+KVP = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def completion(text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------- the lease
+def test_a_lease_is_given_back_exactly_once() -> None:
+    w = World()
+    ep = w.ep(P1)
+    lease = Lease(ep, 40)
+    assert (ep.active, ep.queued_tokens) == (1, 40)
+    lease.release()
+    lease.release()
+    assert (ep.active, ep.queued_tokens) == (0, 0)
+
+
+# ---------------------------------------------------------------------- direct
+def first_choice(w: World, key: str) -> tuple[int, int]:
+    """(first, second) decoder port the balancer picks for affinity ``key``."""
+    first = balancing.pick(w.decode.healthy, balancing.decode_load, key)
+    assert first is not None
+    return first.port, next(e.port for e in w.decode.healthy if e is not first)
+
+
+@pytest.mark.parametrize("failure", [ConnectionRefusedError(), FakeResponse(503, b"{}")])
+def test_direct_retries_a_failing_decoder_and_counts_it(failure: Any) -> None:
+    w = World(decode=(D1, D2))
+    bad, good = first_choice(w, "k")
+    w.up.on(bad, "/v1/completions", failure)
+    w.up.on(good, "/v1/completions", FakeResponse(200, completion("ok")))
+    down = FakeDownstream()
+    c = ctx({"prompt": "hi"})
+    c.affinity = "k"
+    run(DirectRoute(w.legs).serve(c, down))
+    assert down.status == 200 and down.json()["choices"][0]["text"] == "ok"
+    assert len(w.up.calls) == 2 and w.sample("pd_router_retries_total", pool="decode") == 1
+    assert w.load() == [(0, 0)] * 3
+
+
+def test_direct_hands_back_the_last_engine_error_when_every_decoder_fails() -> None:
+    w = World(decode=(D1, D2))
+    err = b'{"error":{"message":"engine sick","type":"InternalServerError","code":500}}'
+    w.up.on(D1, "/v1/completions", FakeResponse(500, err))
+    w.up.on(D2, "/v1/completions", FakeResponse(500, err))
+    down = FakeDownstream()
+    run(DirectRoute(w.legs).serve(ctx({"prompt": "hi"}), down))
+    assert (down.status, down.body) == (500, err)
+    assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="5xx") == 2
+    assert w.load() == [(0, 0)] * 3
+
+
+def test_a_stream_that_never_sends_its_first_chunk_is_retried_elsewhere() -> None:
+    w = World(decode=(D1, D2))
+    bad, good = first_choice(w, "k")
+    ok = FakeResponse(200, chunks=[b"data: {}\n\n", b"data: [DONE]\n\n"], ctype="text/event-stream")
+    w.up.on(bad, "/v1/completions", FakeResponse(200, stall=True, ctype="text/event-stream"))
+    w.up.on(good, "/v1/completions", ok)
+    down = FakeDownstream()
+    c = ctx({"prompt": "hi", "stream": True})
+    c.affinity = "k"
+    run(DirectRoute(w.legs).serve(c, down))
+    assert down.events == [b"data: {}\n\n", b"data: [DONE]\n\n"] and down.ended
+    assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="timeout") == 1
+    assert w.load() == [(0, 0)] * 3
+
+
+def test_no_healthy_decoder_is_a_503_with_retry_after() -> None:
+    w = World(decode=(D1,))
+    w.decode.healthy = []
+    down = FakeDownstream()
+    run(DirectRoute(w.legs).serve(ctx({"prompt": "hi"}), down))
+    assert down.status == 503 and down.headers["Retry-After"] == "2"
+
+
+def test_open_decoder_tries_an_avoided_decoder_only_when_nothing_else_is_left() -> None:
+    w = World(decode=(D1, D2))
+    c = ctx({"prompt": "hi"})
+    w.up.on(D2, "/x", FakeResponse(200, b"{}"))
+    resp, ep = run(w.legs.open_decoder(c, "/x", b"{}", False, exclude=(w.ep(D1),)))
+    assert ep.port == D2
+    resp.release()
+    w.decode.healthy = [w.ep(D1)]
+    w.up.on(D1, "/x", FakeResponse(200, b"{}"))
+    resp, ep = run(w.legs.open_decoder(c, "/x", b"{}", False, exclude=(w.ep(D1),)))
+    assert ep.port == D1
+    resp.release()
+    assert w.load() == [(0, 0)] * 3
+
+
+# ---------------------------------------------------------------------- NIXL
+def nixl(w: World) -> NixlRoute:
+    return NixlRoute(w.legs, DirectRoute(w.legs))
+
+
+def test_nixl_prefills_then_hands_the_params_to_the_decoder() -> None:
+    w = World()
+    w.up.on(P1, "/v1/completions", FakeResponse(200, completion("a", kv_transfer_params=KVP)))
+    w.up.on(D1, "/v1/completions", FakeResponse(200, completion("abc")))
+    c = ctx({"prompt": "long", "max_tokens": 9, "stream_options": {"include_usage": True}})
+    c.ntok = 4000
+    down = FakeDownstream()
+    run(nixl(w).serve(c, down))
+    (_, pre), (_, dec) = w.up.calls_to("/v1/completions")
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "stream_options" not in pre
+    assert pre["kv_transfer_params"] == PREFILL_PARAMS
+    assert dec["kv_transfer_params"] == KVP and dec["max_tokens"] == 9
+    assert (
+        down.headers["x-pd-route"] == "disaggregated" and down.json()["choices"][0]["text"] == "abc"
+    )
+    assert w.sample("pd_router_handoff_wait_seconds_count", connector="nixl") == 1
+    assert w.load() == [(0, 0)] * 2
+
+
+def test_nixl_retries_a_failed_decode_without_the_handoff() -> None:
+    w = World(decode=(D1, D2))
+    w.up.on(P1, "/v1/completions", FakeResponse(200, completion("a", kv_transfer_params=KVP)))
+    for d in (D1, D2):
+        w.up.on(d, "/v1/completions", ConnectionResetError(), FakeResponse(200, completion("ok")))
+    down = FakeDownstream()
+    run(nixl(w).serve(ctx({"prompt": "long"}), down))
+    decodes = [b for _, b in w.up.calls_to("/v1/completions")[1:]]
+    assert "kv_transfer_params" in decodes[0] and "kv_transfer_params" not in decodes[1]
+    assert down.headers["x-pd-route"] == "fallback"
+    assert w.sample("pd_router_fallbacks_total", reason="decode_retry") == 1
+    assert w.load() == [(0, 0)] * 3
+
+
+@pytest.mark.parametrize(
+    ("prefill", "reason", "kind"),
+    [
+        (TimeoutError(), "prefill_timeout", "timeout"),
+        (ConnectionRefusedError(), "prefill_error", "connect"),
+        (FakeResponse(500, b"{}"), "prefill_error", "5xx"),
+        (FakeResponse(200, b"not json"), "prefill_error", "bad_response"),
+        (FakeResponse(200, completion("a")), "no_kv_params", "no_kv_params"),
+    ],
+)
+def test_nixl_serves_directly_when_the_prefill_leg_fails(
+    prefill: Any, reason: str, kind: str
+) -> None:
+    w = World()
+    w.up.on(P1, "/v1/completions", prefill)
+    w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
+    down = FakeDownstream()
+    c = ctx({"prompt": "long"})
+    run(nixl(w).serve(c, down))
+    assert down.headers["x-pd-route"] == "fallback" and down.json()["choices"][0]["text"] == "whole"
+    assert "kv_transfer_params" not in w.up.calls_to("/v1/completions")[-1][1]
+    assert w.sample("pd_router_fallbacks_total", reason=reason) == 1
+    assert w.sample("pd_router_upstream_errors_total", pool="prefill", kind=kind) == 1
+    assert w.load() == [(0, 0)] * 2
+
+
+def test_nixl_passes_a_prefiller_4xx_through() -> None:
+    w = World()
+    w.up.on(P1, "/v1/completions", FakeResponse(400, b'{"error":"bad"}'))
+    down = FakeDownstream()
+    run(nixl(w).serve(ctx({"prompt": "long"}), down))
+    assert (down.status, down.body) == (400, b'{"error":"bad"}') and len(w.up.calls) == 1
+    assert w.load() == [(0, 0)] * 2
+
+
+# ---------------------------------------------------------------------- LMCache
+IDS = [11, 12, 13, 14]
+
+
+def prefill_answer(tok: int = 99, text: str = "A", finish: str | None = "length") -> FakeResponse:
+    return FakeResponse(
+        200,
+        {
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+            "kv_transfer_params": {"first_tok": tok},
+        },
+    )
+
+
+def lmcache(w: World, waiter: FakeWaiter) -> LMCacheRoute:
+    lm = LMCache(decoder_init_ports=[7300, 7301], decoder_alloc_ports=[7400, 7401])
+    return LMCacheRoute(lm, w.legs, DirectRoute(w.legs), waiter)
+
+
+def lm_ctx(body: dict[str, Any], chat: bool = False) -> Any:
+    c = ctx({"max_tokens": 8, **body}, chat=chat)
+    c.ids = IDS
+    return c
+
+
+def test_lmcache_decodes_on_the_decoder_that_received_the_kv() -> None:
+    w, waiter = World(decode=(D1, D2)), FakeWaiter("ok")
+    w.up.on(P1, "/v1/completions", prefill_answer())
+    for d in (D1, D2):
+        w.up.on(d, "/v1/completions", FakeResponse(200, completion("BCD")))
+    down = FakeDownstream()
+    c = lm_ctx({"messages": [{"role": "user", "content": "q"}]}, chat=True)
+    run(lmcache(w, waiter).serve(c, down))
+    (_, pre), (dport, dec) = w.up.calls_to("/v1/completions")
+    spec = pre["kv_transfer_params"]["disagg_spec"]
+    assert pre["prompt"] == IDS and pre["max_tokens"] == 1
+    assert spec["receiver_init_port"] == [7300, 7301] and spec["req_id"] == waiter.expected[0]
+    assert dport == w.ep(dport).port and dec["prompt"] == [*IDS, 99] and dec["max_tokens"] == 7
+    assert "kv_transfer_params" not in dec and waiter.waited == [(waiter.expected[0], P1)]
+    body = down.json()
+    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-rid1"
+    assert body["choices"][0]["message"]["content"] == "ABCD"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert down.headers["x-pd-route"] == "disaggregated" and waiter.cancelled
+    assert w.load() == [(0, 0)] * 3
+
+
+def test_lmcache_without_a_notification_decodes_elsewhere_and_counts_the_prefiller() -> None:
+    w, waiter = World(decode=(D1, D2)), FakeWaiter("timeout")
+    w.up.on(P1, "/v1/completions", prefill_answer())
+    for d in (D1, D2):
+        w.up.on(d, "/v1/completions", FakeResponse(200, completion("BCD")))
+    down = FakeDownstream()
+    c = lm_ctx({"prompt": "q"})
+    c.affinity = "pin"  # the same decoder every time: the one the KV was meant for
+    run(lmcache(w, waiter).serve(c, down))
+    pre, dec = w.up.calls_to("/v1/completions")
+    receiver = pre[1]["kv_transfer_params"]["disagg_spec"]["receiver_host"]
+    assert receiver == "127.0.0.1"
+    meant = [e for e in w.decode.endpoints.values() if e.port != dec[0]]
+    assert len(meant) == 1  # decoded on the other decoder
+    assert down.headers["x-pd-route"] == "fallback" and down.json()["choices"][0]["text"] == "ABCD"
+    assert w.sample("pd_router_fallbacks_total", reason="notify_timeout") == 1
+    assert w.sample("pd_router_upstream_errors_total", pool="prefill", kind="notify_timeout") == 1
+    assert w.load() == [(0, 0)] * 3
+
+
+def test_lmcache_retries_when_the_kv_holding_decoder_cannot_be_reached() -> None:
+    w, waiter = World(decode=(D1, D2)), FakeWaiter("ok")
+    w.up.on(P1, "/v1/completions", prefill_answer())
+    holder, other = first_choice(w, "k")
+    w.up.on(holder, "/v1/completions", ConnectionRefusedError())
+    w.up.on(other, "/v1/completions", FakeResponse(200, completion("BCD")))
+    down = FakeDownstream()
+    c = lm_ctx({"prompt": "q"})
+    c.affinity = "k"
+    run(lmcache(w, waiter).serve(c, down))
+    decodes = w.up.calls_to("/v1/completions")[1:]
+    assert [port for port, _ in decodes] == [holder, other]
+    assert down.json()["choices"][0]["text"] == "ABCD"
+    assert w.sample("pd_router_retries_total", pool="decode") == 1
+    assert w.load() == [(0, 0)] * 3
+
+
+def test_lmcache_answers_a_stopped_first_token_without_a_decode_leg() -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.up.on(P1, "/v1/completions", prefill_answer(text="!", finish="stop"))
+    down = FakeDownstream()
+    run(
+        lmcache(w, waiter).serve(
+            lm_ctx({"prompt": "q", "stream": True, "stream_options": {"include_usage": True}}), down
+        )
+    )
+    chunks = down.sse()
+    assert (
+        chunks[0]["choices"][0]["text"] == "!"
+        and chunks[0]["choices"][0]["finish_reason"] == "stop"
+    )
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    assert len(w.up.calls) == 1 and waiter.waited == [] and down.ended
+    assert w.load() == [(0, 0)] * 2
+
+
+def test_lmcache_streams_the_first_token_then_the_relabelled_decode_leg() -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.up.on(P1, "/v1/completions", prefill_answer())
+    leg = [
+        b'data: {"id":"cmpl-engine","object":"text_completion","created":1,"model":"m",'
+        b'"choices":[{"index":0,"text":"B","finish_reason":null}]}\n\ndata: {"id":"cmpl-en',
+        b'gine","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+        b'"text":"C","finish_reason":"length"}]}\n\ndata: [DONE]\n\n',
+    ]
+    w.up.on(D1, "/v1/completions", FakeResponse(200, chunks=leg, ctype="text/event-stream"))
+    down = FakeDownstream()
+    c = lm_ctx({"messages": [{"role": "user", "content": "q"}], "stream": True}, chat=True)
+    run(lmcache(w, waiter).serve(c, down))
+    chunks = down.sse()
+    assert [ch["choices"][0].get("delta", {}).get("content") for ch in chunks] == ["A", "B", "C"]
+    assert {ch["id"] for ch in chunks} == {"chatcmpl-rid1"}
+    assert {ch["object"] for ch in chunks} == {"chat.completion.chunk"}
+    assert b"".join(down.events).endswith(b"data: [DONE]\n\n") and down.ended
+    assert w.load() == [(0, 0)] * 2
+
+
+def test_lmcache_client_leaving_at_the_first_chunk_releases_everything() -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.up.on(P1, "/v1/completions", prefill_answer())
+    down = FakeDownstream(gone_after=0)
+    run(lmcache(w, waiter).serve(lm_ctx({"prompt": "q", "stream": True}), down))
+    assert w.sample("pd_router_client_disconnects_total") == 1
+    assert set(waiter.cancelled) == set(waiter.expected) and waiter.waited == []
+    assert w.load() == [(0, 0)] * 2
+
+
+@pytest.mark.parametrize(
+    ("body", "ids", "reason"),
+    [
+        ({"prompt": "q", "echo": True}, IDS, "unsupported_fields"),
+        ({"prompt": "q", "min_tokens": 50}, IDS, "unsupported_fields"),
+        ({"prompt": "q", "max_tokens": 5000}, list(range(100)), "too_long"),
+        ({"prompt": "q"}, None, "tokenize_error"),
+    ],
+)
+def test_lmcache_falls_back_before_any_prefill(body: dict[str, Any], ids: Any, reason: str) -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.legs.max_model_len = 4096
+    w.up.on(P1, "/tokenize", FakeResponse(500, b"{}"))
+    w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
+    c = ctx(body)
+    c.ids = ids
+    down = FakeDownstream()
+    run(lmcache(w, waiter).serve(c, down))
+    assert down.headers["x-pd-route"] == "fallback" and not waiter.expected
+    assert [p for _, p, _ in w.up.calls if p == "/v1/completions"] == ["/v1/completions"]
+    assert w.sample("pd_router_fallbacks_total", reason=reason) == 1
+    assert w.load() == [(0, 0)] * 2
+
+
+def test_lmcache_prefill_failure_falls_back_and_gives_the_decoder_back() -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.up.on(P1, "/v1/completions", prefill_answer(tok="x"))  # type: ignore[arg-type]
+    w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
+    down = FakeDownstream()
+    run(lmcache(w, waiter).serve(lm_ctx({"prompt": "q"}), down))
+    assert down.headers["x-pd-route"] == "fallback"
+    assert w.sample("pd_router_upstream_errors_total", pool="prefill", kind="bad_response") == 1
+    assert set(waiter.cancelled) == set(waiter.expected) and w.load() == [(0, 0)] * 2
+
+
+def test_leg_errors_say_what_the_client_gets() -> None:
+    assert (LegError.of(TimeoutError()).kind, LegError.of(TimeoutError()).status) == (
+        "timeout",
+        504,
+    )
+    assert (LegError.of(OSError(), "stream").kind, LegError.of(OSError()).status) == ("stream", 502)
+    assert LegError.no_decoder().status == 503
+    assert orjson.loads(b"{}") == {}
