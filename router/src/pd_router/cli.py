@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import sys
+from collections.abc import Callable
 
 from pd_router import __version__
 from pd_router.config import ConfigError, RouterConfig, load_config, to_dict
@@ -17,8 +19,16 @@ def _load(path: str) -> RouterConfig:
     return load_config(path, os.environ)
 
 
-async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
-
+async def run_server(
+    cfg: RouterConfig,
+    port_file: str | None = None,
+    *,
+    port: int | None = None,
+    reuse_port: bool = False,
+    announce: Callable[[int], None] | None = None,
+) -> None:
+    """Serve until SIGTERM: the whole router in one process, or one of several workers
+    (``port``/``reuse_port`` given by pd_router.workers, ``announce`` its ready signal)."""
     from pd_router.app import Router, build_app
     from pd_router.http_server import AppRunner, serve
 
@@ -34,20 +44,43 @@ async def run_server(cfg: RouterConfig, port_file: str | None = None) -> None:
         access_log=None,
         auto_decompress=False,
     )
-    import logging
+    await serve(
+        runner,
+        cfg.listen.host,
+        cfg.listen.port if port is None else port,
+        4096,
+        port_file,
+        announce or _announcer(cfg, 1),
+        reuse_port=reuse_port,
+    )
 
+
+def _announcer(cfg: RouterConfig, workers: int) -> Callable[[int], None]:
     def announce(port: int) -> None:
         logging.getLogger("pd_router").warning(
-            "pd-router %s listening on %s:%d (connector=%s threshold=%d notifications=%s)",
+            "pd-router %s listening on %s:%d (connector=%s threshold=%d notifications=%s "
+            "workers=%d)",
             __version__,
             cfg.listen.host,
             port,
             cfg.routing.connector,
             cfg.routing.threshold,
             cfg.lmcache.notification_receiver if cfg.routing.connector == "lmcache" else "-",
+            workers,
         )
 
-    await serve(runner, cfg.listen.host, cfg.listen.port, 4096, port_file, announce)
+    return announce
+
+
+def _run_worker(cfg: RouterConfig, port: int, ready: Callable[[int], None]) -> None:
+    try:
+        asyncio.run(run_server(cfg, port=port, reuse_port=True, announce=ready))
+    except ConfigError as exc:
+        print(f"pd-router: invalid config: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as exc:
+        print(f"pd-router: cannot start: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _fast_loop() -> None:
@@ -183,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     # keep almost none (measured: ~7 % less CPU per request; README "HTTP stack").
     gc.freeze()
     gc.set_threshold(20000, 50, 100)
+    from pd_router.workers import supervise, worker_count
+
+    workers = worker_count(cfg)
+    if workers > 1:
+        try:
+            return supervise(cfg, workers, a.port_file, _run_worker, _announcer(cfg, workers))
+        except OSError as exc:
+            print(f"pd-router: cannot start: {exc}", file=sys.stderr)
+            return 1
     try:
         asyncio.run(run_server(cfg, a.port_file))
     except ConfigError as exc:

@@ -34,10 +34,16 @@ class ConfigError(ValueError):
     """Invalid router configuration; the message names the offending dotted field."""
 
 
+MAX_WORKERS = 64
+
+
 @dataclass(frozen=True)
 class Listen:
     host: str = "0.0.0.0"
     port: int = 8000
+    # Worker processes sharing the port (SO_REUSEPORT, pd_router.workers); 0 = one per CPU of
+    # the container's CPU limit. limits.maxInFlight/maxQueued are shared out among them.
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -318,6 +324,21 @@ def _validate_tokenizer_hub(model: Model) -> None:
 
 def _validate(cfg: RouterConfig) -> None:
     _check_port(cfg.listen.port, "listen.port", allow_zero=True)
+    if not 0 <= cfg.listen.workers <= MAX_WORKERS:
+        raise ConfigError(
+            f"listen.workers: must be between 0 (one per CPU) and {MAX_WORKERS}, "
+            f"got {cfg.listen.workers}"
+        )
+    if (
+        cfg.listen.workers > 1
+        and cfg.routing.connector == "lmcache"
+        and cfg.lmcache.notification_receiver == "router"
+    ):
+        raise ConfigError(
+            "listen.workers: must be 1 with lmcache.notificationReceiver router (one process "
+            "binds the notification socket); use notificationReceiver prefillSidecar to run "
+            f"several, got {cfg.listen.workers}"
+        )
     if not cfg.model.served_name:
         raise ConfigError("model.servedName: must not be empty")
     _validate_tokenizer_hub(cfg.model)

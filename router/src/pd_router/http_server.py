@@ -106,13 +106,17 @@ async def serve(
     backlog: int,
     port_file: str | None,
     announce: Callable[[int], None],
+    reuse_port: bool = False,
 ) -> None:
     """Run ``runner`` on host:port until SIGTERM or SIGINT: bind, tell the starter the bound
     port (``port_file``, read by the test harness), ``announce(port)``, then clean up. The one
     serving loop of the router, the notification sidecar and the metrics proxy."""
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=backlog, reuse_address=True)
+        # reuse_port: one of several worker processes sharing the port (pd_router.workers)
+        site = web.TCPSite(
+            runner, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None
+        )
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         write_port_file(port_file, bound)

@@ -1,8 +1,20 @@
-"""Prometheus metrics of the router (one registry per process, names prefixed ``pd_router_``)."""
+"""Prometheus metrics of the router (names prefixed ``pd_router_``).
+
+With several worker processes (``listen.workers``, pd_router.workers) prometheus-client runs
+in its multiprocess mode: the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before any worker
+imports prometheus_client, every worker's values live in files there, and whichever worker
+answers a scrape renders all of them (counters and histograms summed; each gauge declares how
+its workers' values combine).
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -70,6 +82,7 @@ class Metrics:
             "1 when the router counts with a local tokenizer from this source (file|hub)",
             ["source"],
             registry=r,
+            multiprocess_mode="livemin",  # 1 only when every worker has it
         )
         self.handoff_wait = Histogram(
             "pd_router_handoff_wait_seconds",
@@ -94,19 +107,35 @@ class Metrics:
             "pd_router_retries", "Requests retried on another endpoint", ["pool"], registry=r
         )
         self.healthy = Gauge(
-            "pd_router_healthy_endpoints", "Healthy endpoints by pool", ["pool"], registry=r
+            "pd_router_healthy_endpoints",
+            "Healthy endpoints by pool",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemax",  # each worker checks the pool itself
         )
         self.endpoints = Gauge(
-            "pd_router_endpoints", "Known endpoints by pool", ["pool"], registry=r
+            "pd_router_endpoints",
+            "Known endpoints by pool",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
-        self.in_flight = Gauge("pd_router_in_flight", "Requests being served", registry=r)
+        self.in_flight = Gauge(
+            "pd_router_in_flight", "Requests being served", registry=r, multiprocess_mode="livesum"
+        )
         self.outstanding = Gauge(
             "pd_router_outstanding",
             "Requests this router has on the endpoints of a pool (what balancing compares)",
             ["pool"],
             registry=r,
+            multiprocess_mode="livesum",
         )
-        self.queued = Gauge("pd_router_queued", "Requests waiting for a slot", registry=r)
+        self.queued = Gauge(
+            "pd_router_queued",
+            "Requests waiting for a slot",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.rejected = Counter(
             "pd_router_rejected", "Requests rejected before routing", ["reason"], registry=r
         )
@@ -146,4 +175,9 @@ class Metrics:
                 self.sidecar_waits.labels(outcome)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        path = os.environ.get(MULTIPROC_ENV)
+        if not path:
+            return generate_latest(self.registry)
+        every_worker = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(every_worker, path)
+        return generate_latest(every_worker)

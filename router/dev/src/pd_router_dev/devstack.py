@@ -51,6 +51,9 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
+        # whatever it started (a router's workers) goes with it: it leads its own session
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
 
 
 def _spawn(
