@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import re
 import time
 import uuid
@@ -34,7 +35,7 @@ from pd_router.failures import TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route
 from pd_router.handoff.lmcache_notify import KvWaiter, build_waiter
 from pd_router.legs import Downstream, Legs
-from pd_router.metrics import Metrics
+from pd_router.metrics import MULTIPROC_ENV, Metrics
 from pd_router.openai_wire import (
     MAX_JSON_DEPTH,
     error_body,
@@ -130,14 +131,31 @@ class Router:
             cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: skip cookie work
         )
         await asyncio.gather(self.prefill.start(self.session), self.decode.start(self.session))
+        loop = asyncio.get_running_loop()
         if self.cfg.auth.api_keys_file or self.cfg.auth.metrics_tokens_file:
-            self._bg.append(asyncio.get_running_loop().create_task(self._keys_loop()))
+            self._bg.append(loop.create_task(self._keys_loop()))
+        if os.environ.get(MULTIPROC_ENV):  # one of several workers: see _load_gauges
+            self._bg.append(loop.create_task(self._gauges_loop()))
 
     async def _keys_loop(self) -> None:
         while True:
             await asyncio.sleep(10)
             self.keys.maybe_reload()
             self.metrics_tokens.maybe_reload()
+
+    def _load_gauges(self) -> None:
+        """In-flight and outstanding counts, kept as gauges only when read: at a scrape, and
+        every second in a worker (a scrape answered by another worker reads this one's)."""
+        self.metrics.in_flight.set(self.admission.in_flight)
+        for pool in (self.prefill, self.decode):
+            self.metrics.outstanding.labels(pool.name).set(
+                sum(e.active for e in pool.endpoints.values())
+            )
+
+    async def _gauges_loop(self) -> None:
+        while True:
+            self._load_gauges()
+            await asyncio.sleep(1)
 
     async def stop(self) -> None:
         for t in self._bg:
@@ -146,6 +164,7 @@ class Router:
         await self.decode.stop()
         if self.waiter is not None:
             await self.waiter.stop()
+        self.counter.close()
         self.up.close()
         if self.session is not None:
             await self.session.close()
@@ -179,11 +198,7 @@ class Router:
             return error_response(
                 401, "invalid or missing API key or metrics token", "authentication_error"
             )
-        self.metrics.in_flight.set(self.admission.in_flight)
-        for pool in (self.prefill, self.decode):
-            self.metrics.outstanding.labels(pool.name).set(
-                sum(e.active for e in pool.endpoints.values())
-            )
+        self._load_gauges()
         return web.Response(
             body=self.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},

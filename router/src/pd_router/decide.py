@@ -6,7 +6,9 @@ The counting ladder, cheapest exact-enough first (pd_router.tokens explains each
 ``n > 1`` or a batched prompt -> direct (``skipped``; the hand-offs carry one sequence);
 threshold 0 -> disaggregated without counting (``skipped``); token-id prompt -> its length
 (``tokens``); UTF-8 bytes + template allowance below the threshold -> direct (``bound``); the
-local tokenizer (``tokenizer``); the engine's /tokenize (``engine``; its ids are reused by the
+local tokenizer: a sampled estimate far enough from the threshold
+(``sampled``), else the exact count, off the event loop for long texts (``tokenizer``); the
+engine's /tokenize (``engine``; its ids are reused by the
 LMCache prefill leg); bytes / 4 when nothing answered (``estimate``).
 """
 
@@ -18,7 +20,14 @@ from typing import Any
 
 from pd_router.failures import TokenizeError
 from pd_router.openai_wire import is_batch
-from pd_router.tokens import TokenCounter, prompt_text, template_allowance, token_ids_prompt
+from pd_router.tokens import (
+    INLINE_BYTES,
+    SAMPLE_MARGIN,
+    TokenCounter,
+    prompt_text,
+    template_allowance,
+    token_ids_prompt,
+)
 
 Tokenize = Callable[[dict[str, Any], bool], Awaitable[list[int]]]
 
@@ -52,8 +61,15 @@ class Decider:
         nbytes = len(text.encode("utf-8", "surrogatepass")) + allowance
         if nbytes < th:  # a token covers at least one byte: cannot reach the threshold
             return Decision(False, "bound", max(1, nbytes // 4))
-        if self.counter.local is not None:
-            n = self.counter.local_count(text, allowance)
+        counter = self.counter
+        if counter.local is not None:
+            if nbytes <= INLINE_BYTES:
+                n = counter.local_count(text, allowance)
+                return Decision(n >= th, "tokenizer", n, True)
+            est = counter.sampled(text, nbytes - allowance, allowance)
+            if est >= th * SAMPLE_MARGIN or est * SAMPLE_MARGIN <= th:
+                return Decision(est >= th, "sampled", est)
+            n = await counter.count(text, allowance)
             return Decision(n >= th, "tokenizer", n, True)
         try:
             ids = await tokenize(body, chat)

@@ -73,7 +73,8 @@ class Metrics:
         )
         self.token_count_source = Counter(
             "pd_router_token_count",
-            "How prompt tokens were counted (tokenizer|engine|bound|estimate|skipped)",
+            "How prompt tokens were counted "
+            "(tokens|bound|sampled|tokenizer|engine|estimate|skipped; pd_router.decide)",
             ["source"],
             registry=r,
         )

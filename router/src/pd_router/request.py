@@ -18,7 +18,7 @@ DISAGG = "disaggregated"
 FALLBACK = "fallback"
 ROUTES = (DIRECT, DISAGG, FALLBACK)
 # How the prompt was counted (pd_router_token_count_source_total); see pd_router.decide.
-COUNT_SOURCES = ("skipped", "tokens", "bound", "tokenizer", "engine", "estimate")
+COUNT_SOURCES = ("skipped", "tokens", "bound", "sampled", "tokenizer", "engine", "estimate")
 
 
 class Ctx:

@@ -13,12 +13,28 @@ from pd_router.failures import TokenizeError
 
 
 class Counter:
-    def __init__(self, per_char: float | None) -> None:
+    """A tokenizer of ``per_char`` tokens per character; ``sample_bias`` skews its sampled
+    estimate (a prompt whose sampled windows are denser or sparser than the whole)."""
+
+    def __init__(self, per_char: float | None, sample_bias: float = 1.0) -> None:
         self.local = object() if per_char is not None else None
         self.per_char = per_char
+        self.sample_bias = sample_bias
+        self.calls: list[str] = []
 
     def local_count(self, text: str, allowance: int) -> int:
         assert self.per_char is not None
+        self.calls.append("inline")
+        return int(len(text) * self.per_char) + allowance
+
+    def sampled(self, text: str, nbytes: int, allowance: int) -> int:
+        assert self.per_char is not None
+        self.calls.append("sampled")
+        return int(nbytes * self.per_char * self.sample_bias) + allowance
+
+    async def count(self, text: str, allowance: int) -> int:
+        assert self.per_char is not None
+        self.calls.append("off-loop")
         return int(len(text) * self.per_char) + allowance
 
 
@@ -28,6 +44,7 @@ def decide(
     threshold: int = 100,
     per_char=None,
     engine: Any = None,
+    counter: Counter | None = None,
 ) -> tuple[Decision, int]:
     asked = 0
 
@@ -38,7 +55,8 @@ def decide(
             raise engine
         return list(range(engine))
 
-    d = asyncio.run(Decider(threshold, Counter(per_char)).decide(body, chat, tokenize))  # type: ignore[arg-type]
+    c = counter or Counter(per_char)
+    d = asyncio.run(Decider(threshold, c).decide(body, chat, tokenize))  # type: ignore[arg-type]
     return d, asked
 
 
@@ -102,3 +120,44 @@ def test_a_failed_tokenize_falls_back_to_an_estimate() -> None:
         None,
         1,
     )
+
+
+def test_long_prompts_far_from_the_threshold_are_decided_by_a_sample() -> None:
+    # 8,000 bytes at 1 token / 4 bytes: an estimate of ~2,000 tokens against 4096 -> direct
+    c = Counter(0.25)
+    d, _ = decide({"prompt": "x" * 8000}, threshold=4096, counter=c)
+    assert (d.disaggregate, d.source, d.exact, c.calls) == (False, "sampled", False, ["sampled"])
+    c = Counter(1.0)  # ~8,000 tokens against 4096: disaggregated, nothing encoded whole
+    d, _ = decide({"prompt": "x" * 8000}, threshold=4096, counter=c)
+    assert (d.disaggregate, d.source, c.calls) == (True, "sampled", ["sampled"])
+
+
+def test_prompts_near_the_threshold_are_counted_exactly_off_the_loop() -> None:
+    # the sample says 1.2x the threshold (within the margin): the exact count decides, and
+    # here it disagrees with the sample
+    c = Counter(0.5, sample_bias=1.2)
+    d, _ = decide({"prompt": "x" * 8000}, threshold=4096, counter=c)
+    assert (d.disaggregate, d.source, d.tokens, d.exact) == (False, "tokenizer", 4004, True)
+    assert c.calls == ["sampled", "off-loop"]
+
+
+def test_short_texts_are_encoded_inline() -> None:
+    c = Counter(1.0)
+    d, _ = decide({"prompt": "x" * 1000}, threshold=500, counter=c)
+    assert (d.source, c.calls) == ("tokenizer", ["inline"])
+
+
+def test_the_real_tokenizer_counts_off_the_loop_and_samples_what_it_counts(tmp_path) -> None:
+    from pd_router.tokens import TokenCounter
+    from router_testlib import TOKENIZER_WORD, train_tokenizer
+
+    train_tokenizer(tmp_path)
+    counter = TokenCounter(str(tmp_path), "m")
+    text = " ".join([TOKENIZER_WORD] * 2000)  # one token per character with this vocabulary
+    nbytes = len(text.encode())
+    try:
+        exact = counter.local_count(text, 4)
+        assert asyncio.run(counter.count(text, 4)) == exact == 2000 * len(TOKENIZER_WORD) + 4
+        assert abs(counter.sampled(text, nbytes, 4) - exact) <= exact * 0.05
+    finally:
+        counter.close()
