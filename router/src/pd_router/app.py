@@ -92,7 +92,7 @@ class Router:
         self.waiter: KvWaiter | None = None
         if cfg.routing.connector == "lmcache":
             m.preset_lmcache(cfg.lmcache.notification_receiver)
-            self.waiter = build_waiter(cfg.lmcache, cfg.timeouts.connect_seconds, m)
+            self.waiter = build_waiter(cfg.lmcache, self.up, m)
         self.direct = DirectRoute(self.legs)
         self.disaggregated: Route = build_route(cfg, self.legs, self.direct, self.waiter)
         self.affinity_header = cfg.routing.session_affinity_header or None

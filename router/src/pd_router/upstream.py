@@ -335,28 +335,6 @@ class UpstreamClient:
         """Send a POST; returns once the response headers arrived. ``headers`` is the
         pre-encoded header block (``Name: value\r\n`` lines). ``on_done`` runs once: when the
         returned response is released or closed, or now if this raises."""
-        try:
-            resp = await self._post(
-                host, port, tls, path, body, headers, first_byte_timeout, idle_timeout
-            )
-        except BaseException:
-            if on_done is not None:
-                on_done()
-            raise
-        resp._on_done = on_done
-        return resp
-
-    async def _post(
-        self,
-        host: str,
-        port: int,
-        tls: bool,
-        path: str,
-        body: bytes,
-        headers: bytes,
-        first_byte_timeout: float,
-        idle_timeout: float,
-    ) -> Response:
         pool = self._pool(host, port, tls)
         start = pool.starts.get(path)
         if start is None:
@@ -364,33 +342,69 @@ class UpstreamClient:
                 b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + pool.host_header + b"\r\n"
             )
         data = b"%sContent-Length: %d\r\n%s\r\n%s" % (start, len(body), headers, body)
-        for attempt in range(2):
-            reused = False
-            conn: _Conn | None = None
-            while pool.idle:
-                c = pool.idle.pop()
-                if not c.closed:
-                    conn, reused = c, True
-                    break
-            if conn is None:
-                conn = await self._connect(pool)
-            resp = Response(conn, idle_timeout)
-            conn.resp = resp
-            conn.got_bytes = False
-            assert conn.transport is not None
-            conn.transport.write(data)
-            try:
-                await resp._headers(first_byte_timeout)
-            except UpstreamError:
-                conn.close()
-                if reused and resp._stale and attempt == 0:
-                    continue  # the engine had closed this idle connection: new one, once
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            return resp
-        raise UpstreamError("unreachable")  # pragma: no cover
+        return await self._send(pool, data, first_byte_timeout, idle_timeout, on_done)
+
+    async def get(
+        self,
+        host: str,
+        port: int,
+        tls: bool,
+        target: str,
+        headers: bytes,
+        first_byte_timeout: float,
+        idle_timeout: float,
+        on_done: Callable[[], None] | None = None,
+    ) -> Response:
+        """Send a GET of ``target`` (path and query, already encoded); as :meth:`post`."""
+        pool = self._pool(host, port, tls)
+        data = b"GET %s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (
+            target.encode(),
+            pool.host_header,
+            headers,
+        )
+        return await self._send(pool, data, first_byte_timeout, idle_timeout, on_done)
+
+    async def _send(
+        self,
+        pool: _HostPool,
+        data: bytes,
+        first_byte_timeout: float,
+        idle_timeout: float,
+        on_done: Callable[[], None] | None,
+    ) -> Response:
+        try:
+            for attempt in range(2):
+                reused = False
+                conn: _Conn | None = None
+                while pool.idle:
+                    c = pool.idle.pop()
+                    if not c.closed:
+                        conn, reused = c, True
+                        break
+                if conn is None:
+                    conn = await self._connect(pool)
+                resp = Response(conn, idle_timeout)
+                conn.resp = resp
+                conn.got_bytes = False
+                assert conn.transport is not None
+                conn.transport.write(data)
+                try:
+                    await resp._headers(first_byte_timeout)
+                except UpstreamError:
+                    conn.close()
+                    if reused and resp._stale and attempt == 0:
+                        continue  # the engine had closed this idle connection: new one, once
+                    raise
+                except BaseException:
+                    conn.close()
+                    raise
+                resp._on_done = on_done
+                return resp
+            raise UpstreamError("unreachable")  # pragma: no cover
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
 
     def close(self) -> None:
         for p in self._pools.values():

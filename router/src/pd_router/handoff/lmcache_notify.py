@@ -22,8 +22,6 @@ import logging
 from typing import Protocol
 from urllib.parse import quote
 
-import aiohttp
-import yarl
 import zmq
 import zmq.asyncio
 
@@ -31,6 +29,7 @@ from pd_router.config import LMCache
 from pd_router.discovery import Endpoint
 from pd_router.handoff.lmcache_wire import receive_notifications
 from pd_router.metrics import Metrics
+from pd_router.upstream import UpstreamClient
 
 log = logging.getLogger("pd_router.lmcache")
 
@@ -54,9 +53,9 @@ class KvWaiter(Protocol):
     def cancel(self, ticket: Ticket) -> None: ...
 
 
-def build_waiter(lm: LMCache, connect_timeout: float, metrics: Metrics) -> KvWaiter:
+def build_waiter(lm: LMCache, up: UpstreamClient, metrics: Metrics) -> KvWaiter:
     if lm.notification_receiver == "prefillSidecar":
-        return SidecarWaiter(lm, connect_timeout, metrics)
+        return SidecarWaiter(lm, up, metrics)
     return ZmqWaiter(lm, metrics)
 
 
@@ -150,36 +149,28 @@ class ZmqWaiter:
 SIDECAR_MARGIN_SECONDS = 2.0
 
 
-def sidecar_url(host: str, port: int, req_id: str, count: int, timeout: float) -> yarl.URL:
-    h = f"[{host}]" if ":" in host else host
-    rid = quote(req_id, safe="")
-    return yarl.URL(
-        f"http://{h}:{port}/v1/notifications/{rid}?count={count}&timeout={timeout!r}",
-        encoded=True,
-    )
+def sidecar_target(req_id: str, count: int, timeout: float) -> str:
+    """Path and query of the sidecar's wait (pd_router.handoff.lmcache_sidecar)."""
+    return f"/v1/notifications/{quote(req_id, safe='')}?count={count}&timeout={timeout!r}"
 
 
 class SidecarWaiter:
-    """Asks the notification sidecar of the prefill pod that served the request."""
+    """Asks the notification sidecar of the prefill pod that served the request (over the
+    router's lean HTTP client: the long poll is on the hot path of every LMCache request)."""
 
-    def __init__(self, lm: LMCache, connect_timeout: float, metrics: Metrics) -> None:
+    def __init__(self, lm: LMCache, up: UpstreamClient, metrics: Metrics) -> None:
         self.port = lm.sidecar_port
         self.count = lm.notifications_per_request
         self.timeout = lm.notify_timeout_seconds
-        self.connect_timeout = connect_timeout
+        self.up = up
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
+        self._outcomes = {o: metrics.sidecar_waits.labels(o) for o in ("ok", "timeout", "error")}
 
     async def start(self) -> None:
-        # no connection limit: every disaggregated request in flight may be waiting here
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-        )
+        pass
 
     async def stop(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        pass
 
     def expect(self, req_id: str) -> Ticket:
         return Ticket(req_id, None, self.count)  # the sidecar holds what arrives meanwhile
@@ -191,22 +182,20 @@ class SidecarWaiter:
         """ "ok" (200), "timeout" (504) or "error" (anything else, including an unreachable
         sidecar); bounded by the wait plus a small margin."""
         outcome = await self._ask(prefiller.host, ticket.req_id)
-        self.metrics.sidecar_waits.labels(outcome).inc()
+        self._outcomes[outcome].inc()
         return outcome
 
     async def _ask(self, host: str, req_id: str) -> str:
-        assert self.session is not None
-        ct = aiohttp.ClientTimeout(
-            total=self.timeout + SIDECAR_MARGIN_SECONDS, sock_connect=self.connect_timeout
-        )
-        url = sidecar_url(host, self.port, req_id, self.count, self.timeout)
+        bound = self.timeout + SIDECAR_MARGIN_SECONDS
+        target = sidecar_target(req_id, self.count, self.timeout)
         try:
-            async with self.session.get(url, timeout=ct) as r:
-                await r.read()
-                if r.status == 200:
-                    return "ok"
-                log.warning("notification sidecar %s:%d answered %d", host, self.port, r.status)
-                return "timeout" if r.status == 504 else "error"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            async with asyncio.timeout(bound):
+                r = await self.up.get(host, self.port, False, target, b"", bound, bound)
+                await r.read_release()
+        except (TimeoutError, OSError) as exc:  # the lean client's UpstreamError is an OSError
             log.warning("notification sidecar %s:%d failed: %r", host, self.port, exc)
             return "error"
+        if r.status == 200:
+            return "ok"
+        log.warning("notification sidecar %s:%d answered %d", host, self.port, r.status)
+        return "timeout" if r.status == 504 else "error"
