@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from pd_router import balancing
-from pd_router.handoff import nixl as handoff_nixl
 from pd_router.discovery import Endpoint
+from pd_router.handoff import nixl as handoff_nixl
 from pd_router_dev.devstack import Proc, Stack, free_port
 from router_testlib import (
     MODEL,
