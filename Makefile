@@ -5,29 +5,31 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-CHART := charts/pd-inference
-HELM4 := .tools/helm-v4.2.1/helm
-HELM3 := .tools/helm-v3.21.4/helm
+# HELM4, HELM3 (paths) and their versions: pinned in scripts/tools.env only.
+include scripts/tools.env
 HELM ?= $(HELM4)
 ENV ?= dev
-RELEASE ?= pd
-NAMESPACE ?= pd-$(ENV)
-export PD_HELM_BINARIES := $(abspath $(HELM4)):$(abspath $(HELM3))
 
-.PHONY: help helm tools engines kube test lint render snapshot docs demo bench fmt clean
+.PHONY: help helm helm4 tools engines kube test lint render snapshot docs demo bench fmt clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
+# pip prints its progress to stderr, as every installer here does: `make render > x.yaml` stays manifests only.
 $(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml router/dev/pyproject.toml)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip==25.3
-	$(PY) -m pip install --quiet -r requirements-dev.txt
-	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install --quiet -e 'router[test]' -e router/dev; fi
+	@test -x $(PY) || { echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }
+	@echo "venv: installing requirements-dev.txt, router[test] and router/dev into $(VENV) (first run: a minute or two)" >&2
+	@$(PY) -m pip install --upgrade pip==25.3 >&2
+	@$(PY) -m pip install -r requirements-dev.txt >&2
+	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install -e 'router[test]' -e router/dev >&2; fi
+	@echo "venv: $(VENV) ready" >&2
 	@touch $@
 
-helm: $(VENV)/.installed ## Install the virtualenv and Helm 4 and 3 only (what render, snapshot and docs need)
+helm: $(VENV)/.installed ## Install the virtualenv and Helm 4 and 3 only (what snapshot and docs need; render needs only Helm 4)
 	@scripts/install-tools.sh helm
+
+helm4: $(VENV)/.installed
+	@scripts/install-tools.sh helm4
 
 tools: $(VENV)/.installed ## Install everything make test needs (idempotent; cached in .venv/ and .tools/): Helm, checkov, the engine stack, the control plane
 	@scripts/install-tools.sh
@@ -48,24 +50,19 @@ lint: helm ## The checks users run in their CI (ci/check.sh), plus ruff
 	@scripts/install-tools.sh checkov
 	ci/check.sh
 
-render: helm ## Print an environment's manifests exactly as its Argo CD Application renders them (e.g. make render ENV=prod; a values/ENV.yaml outside the catalog renders as RELEASE in NAMESPACE)
-	@test -f values/$(ENV).yaml || { echo "render: no values/$(ENV).yaml" >&2; exit 2; }
-	@if args=$$($(PY) ci/gitops.py helm-args $(ENV) 2>/dev/null); then \
-	  $(HELM) $$args $$($(PY) ci/gitops.py capabilities); \
-	else \
-	  $(HELM) template $(RELEASE) $(CHART) --namespace $(NAMESPACE) $(foreach f,$(shell $(PY) ci/envs.py files $(ENV)),-f $(f)) $$($(PY) ci/gitops.py capabilities); \
-	fi
+render: helm4 ## Print an environment's manifests exactly as its Argo CD Application renders them (e.g. make render ENV=prod; ENV must be in the catalog argocd/environments/, an error lists it)
+	@$(PY) -m ci.render --helm $(HELM) --print $(ENV)
 
 snapshot: helm ## Refresh the committed snapshot of the default render (review its diff)
 	$(PY) -m tests.snapshot --update
 
 docs: helm ## Regenerate values.schema.json descriptions and the chart README values table
-	$(PY) ci/chartdoc.py --write
+	$(PY) -m ci.chartdoc --write
 
 demo: $(VENV)/.installed ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
 	$(PY) -m pd_router_dev.demo $(ARGS)
 
-bench: $(VENV)/.installed ## Router vs vllm-router vs direct, on zero-delay simulated engines
+bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic on simulated engines; ARGS=--help (~4 min)
 	$(PY) -m pd_router_dev.bench $(ARGS)
 
 fmt: $(VENV)/.installed ## Format Python code

@@ -2,15 +2,16 @@
 # The checks users run in their CI (and `make lint` runs). Each step prints what it checked;
 # the first failure stops the run with a message naming the file or field.
 #
-# Environment: PY, HELM, KUBE_VERSION (tools); BASE_REF (the branch a pull request targets, e.g.
-# origin/main, for the version bump and upgrade safety checks); CHECK_SKIP (space-separated step
-# ids to leave out, e.g. "checkov version-bump"; every skipped step is printed).
+# Environment: PY, HELM (tools; HELM defaults to the Helm 4 of scripts/tools.env), KUBE_VERSION
+# (helm lint's; default: the chart's minimum, Chart.yaml kubeVersion); BASE_REF (the branch a pull
+# request targets, e.g. origin/main, for the version bump and upgrade safety checks); CHECK_SKIP
+# (space-separated step ids to leave out, e.g. "checkov version-bump"; every skipped step is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/tools.env
 PY=${PY:-.venv/bin/python}
-HELM=${HELM:-.tools/helm-v4.2.1/helm}
-CHART=charts/pd-inference
-KUBE_VERSION=${KUBE_VERSION:-1.29.0}
+HELM=${HELM:-$HELM4}
+KUBE_VERSION=${KUBE_VERSION:-}
 CHECK_SKIP=${CHECK_SKIP:-}
 
 step() { # id, title: prints the title; returns 1 (skip the step) when the id is in CHECK_SKIP
@@ -24,39 +25,33 @@ if step yamllint "yamllint (every YAML file; chart templates excluded: they are 
 fi
 
 if step chartdoc "values.schema.json and chart README are generated from values.yaml"; then
-  "$PY" ci/chartdoc.py --check
+  "$PY" -m ci.chartdoc --check
 fi
 
 if step values-schema "values files and environment layerings against values.schema.json"; then
-  "$PY" ci/values_check.py
+  "$PY" -m ci.values_check
 fi
 
 if step helm-lint "helm lint --strict, per environment"; then
-  for env in $("$PY" ci/envs.py list); do
-    files=()
-    for f in $("$PY" ci/envs.py files "$env"); do files+=(-f "$f"); done
-    # helm lint takes no --api-versions: the custom resources render by crds.assumeInstalled.
-    "$HELM" lint --strict "$CHART" --kube-version "$KUBE_VERSION" --set crds.assumeInstalled=true "${files[@]}" >/dev/null
-    echo "ok: $env"
-  done
+  "$PY" -m ci.helm_lint --helm "$HELM" ${KUBE_VERSION:+--kube-version "$KUBE_VERSION"}
 fi
 
 rm -rf build/rendered
 if step render "render each environment as its Argo CD Application does; Kubernetes schema validation"; then
-  "$PY" ci/render.py --helm "$HELM" --out build/rendered
+  "$PY" -m ci.render --helm "$HELM" --out build/rendered
 fi
 
 if step checkov "checkov on the rendered manifests (skips: ci/checkov-skips.yaml)"; then
-  [ -d build/rendered ] || "$PY" ci/render.py --helm "$HELM" --out build/rendered >/dev/null
-  "$PY" ci/checkov_check.py --dir build/rendered
+  [ -d build/rendered ] || "$PY" -m ci.render --helm "$HELM" --out build/rendered >/dev/null
+  "$PY" -m ci.checkov_check --dir build/rendered
 fi
 
 if step version-bump "chart version bumped when templates or values changed"; then
-  "$PY" ci/version_bump.py
+  "$PY" -m ci.version_bump
 fi
 
 if step upgrade-safety "no immutable StatefulSet/Deployment field changed without a major version"; then
-  "$PY" ci/upgrade_safety.py
+  "$PY" -m ci.upgrade_safety --helm "$HELM"
 fi
 
 if step ruff "ruff (lint and format) on Python code"; then

@@ -1,11 +1,11 @@
-"""checkov on the rendered manifests of every environment (build/rendered/*.yaml from ci/render.py),
-with the skips in ci/checkov-skips.yaml and nowhere else.
+"""checkov on the rendered manifests of every environment (build/rendered/*.yaml from
+`python -m ci.render`), with the skips in ci/checkov-skips.yaml and nowhere else.
 
 checkov runs once over the directory (it is slow to start), from its own virtualenv
 (.tools/checkov-venv, installed by scripts/install-checkov.sh). Fails on any finding not covered
 by a skip, and on a skip that covers no finding (stale: delete it).
 
-    python ci/checkov_check.py [--dir build/rendered]
+    python -m ci.checkov_check [--dir build/rendered]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run_checkov(directory: Path) -> list[Finding]:
         raise SystemExit("checkov is not installed: scripts/install-checkov.sh failed")
     files = sorted(directory.glob("*.yaml"))
     if not files:
-        raise SystemExit(f"no rendered manifests in {directory}: run ci/render.py first")
+        raise SystemExit(f"no rendered manifests in {directory}: run `python -m ci.render` first")
     proc = subprocess.run(
         [str(CHECKOV), "-d", str(directory), "--framework", "kubernetes", "--output", "json", "--quiet",
          "--compact", "--skip-download"],

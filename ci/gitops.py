@@ -14,9 +14,8 @@ Anything outside that subset fails loudly ("unsupported ...") rather than render
 Argo CD would not. `kubectl kustomize argocd/` gives the same as step 1 (tests compare when kubectl
 is installed).
 
-    python ci/gitops.py apps               # the Applications the ApplicationSet generates (YAML)
-    python ci/gitops.py helm-args ENV      # the helm template arguments Argo CD uses for ENV
-    python ci/gitops.py capabilities       # the cluster capabilities CI assumes (helm arguments)
+    python -m ci.gitops apps               # the Applications the ApplicationSet generates (YAML)
+    python -m ci.gitops command ENV        # the helm template command Argo CD runs for ENV (one word a line)
 """
 
 from __future__ import annotations
@@ -30,18 +29,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from ci import crd_schema  # noqa: E402
+from ci import lib
 
+ROOT = lib.ROOT
 ARGOCD = ROOT / "argocd"
 LOCAL_CONFIG = "config.kubernetes.io/local-config"
-# What Argo CD passes from the target cluster; CI assumes the oldest supported Kubernetes with
-# every CRD of ci/crds/ installed (Argo CD, the Prometheus Operator, KEDA: the environments'
-# monitors, PrometheusRule and ScaledObject need them). `make render` passes the same.
-CLUSTER_CAPABILITIES = ["--kube-version", "1.29.0"] + [
-    arg for api in crd_schema.api_versions() for arg in ("--api-versions", api)
-]
 
 
 class GitOpsError(Exception):
@@ -278,18 +270,6 @@ def _render_fields(node: Any, params: dict[str, Any]) -> Any:
     return node
 
 
-def strategic_merge(base: Any, patch: Any) -> Any:
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            if v is None:
-                out.pop(k, None)
-            else:
-                out[k] = strategic_merge(base.get(k), v) if k in base else copy.deepcopy(v)
-        return out
-    return copy.deepcopy(patch)
-
-
 def _prune_empty(node: Any) -> Any:
     """Go's json `omitempty`: empty lists/maps/strings vanish when the controller re-marshals."""
     if isinstance(node, dict):
@@ -314,7 +294,7 @@ def generate_applications(appset: dict[str, Any], root: Path = ROOT) -> list[dic
             app["metadata"].setdefault("namespace", appset["metadata"]["namespace"])
             if spec.get("templatePatch"):
                 patch = yaml.safe_load(go_template(spec["templatePatch"], params))
-                app = strategic_merge(app, patch)
+                app = lib.deep_merge(app, patch)
             apps.append(_prune_empty(app))
     return apps
 
@@ -329,21 +309,34 @@ def applications(root: Path = ROOT) -> list[dict[str, Any]]:
 
 
 def environment_applications(root: Path = ROOT) -> dict[str, dict[str, Any]]:
-    """Generated Applications by environment name (pd-<env> -> <env>)."""
+    """Generated Applications by environment name (pd-<env> -> <env>): exactly one per entry of
+    the environment catalog (ci/lib.py environments())."""
+    catalog = lib.environments(root)
     docs = kustomize_build(root / "argocd")
     out = {}
     for appset in (d for d in docs if d["kind"] == "ApplicationSet"):
         for app in generate_applications(appset, root):
             out[app["metadata"]["labels"]["pd-inference/environment"]] = app
-    return out
+    if sorted(out) != sorted(catalog):
+        raise GitOpsError(
+            f"the ApplicationSet generates Applications for {sorted(out)}, the catalog ({lib.CATALOG}/) has {sorted(catalog)}"
+        )
+    return dict(sorted(out.items()))
+
+
+def environment_application(env: str, root: Path = ROOT) -> dict[str, Any]:
+    """The Application of one environment; an unknown name is an error that lists the catalog."""
+    lib.environment(env, root)
+    return environment_applications(root)[env]
 
 
 # --- 3. the repo server's helm template command ---------------------------------------------------
 
 
-def helm_template_args(app: dict[str, Any], root: Path = ROOT) -> list[str]:
-    """`helm template` arguments (after the binary) for an Application's Helm source, with paths
-    resolved in this checkout. The `$ref` sources must point at this same repository and revision."""
+def helm_command(app: dict[str, Any], helm: Path | str | None = None, root: Path = ROOT) -> list[str]:
+    """The `helm template` command line the repo server runs for an Application's Helm source, with
+    paths resolved in this checkout and the cluster capabilities CI assumes (lib.capabilities()).
+    The `$ref` sources must point at this same repository and revision."""
     spec = app["spec"]
     sources = spec.get("sources") or [spec["source"]]
     refs = {s["ref"]: s for s in sources if s.get("ref")}
@@ -351,14 +344,12 @@ def helm_template_args(app: dict[str, Any], root: Path = ROOT) -> list[str]:
     if len(charts) != 1:
         raise GitOpsError(f"{app['metadata']['name']}: expected one chart source, found {len(charts)}")
     chart = charts[0]
-    helm = chart.get("helm", {})
+    source = chart.get("helm", {})
     for name, ref in refs.items():
         if (ref["repoURL"], ref["targetRevision"]) != (chart["repoURL"], chart["targetRevision"]):
             raise GitOpsError(f"${name} points at another repository or revision than the chart")
-    namespace = helm.get("namespace") or spec["destination"]["namespace"]
-    args = ["template", helm.get("releaseName", app["metadata"]["name"]), str(root / chart["path"])]
-    args += ["--namespace", namespace, "--include-crds"]
-    for vf in helm.get("valueFiles", []):
+    files = []
+    for vf in source.get("valueFiles", []):
         m = re.fullmatch(r"\$(\w+)/(.+)", vf)
         if m:
             if m.group(1) not in refs:
@@ -368,32 +359,38 @@ def helm_template_args(app: dict[str, Any], root: Path = ROOT) -> list[str]:
             path = root / chart["path"] / vf
         if not path.is_file():
             raise GitOpsError(f"{app['metadata']['name']}: value file {vf} does not exist ({path})")
-        args += ["-f", str(path)]
-    for p in helm.get("parameters", []):
-        args += ["--set-string" if p.get("forceString") else "--set", f"{p['name']}={p['value']}"]
-    if helm.get("skipTests"):
-        args.append("--skip-tests")
-    if helm.get("skipCrds"):
-        args.append("--skip-crds")
+        files.append(path)
     for unsupported in ("values", "valuesObject", "fileParameters", "apiVersions", "kubeVersion"):
-        if unsupported in helm:
+        if unsupported in source:
             raise GitOpsError(f"helm.{unsupported} is not reproduced by ci/gitops.py")
-    return args
+    # Helm applies every --set before every --set-string, whatever their order on the line.
+    params = source.get("parameters", [])
+    return lib.helm_template(
+        files,
+        sets=[f"{p['name']}={p['value']}" for p in params if not p.get("forceString")],
+        set_strings=[f"{p['name']}={p['value']}" for p in params if p.get("forceString")],
+        helm=helm,
+        release=source.get("releaseName", app["metadata"]["name"]),
+        chart=root / chart["path"],
+        namespace=source.get("namespace") or spec["destination"]["namespace"],
+        root=root,
+        include_crds=True,
+        skip_tests=bool(source.get("skipTests")),
+        skip_crds=bool(source.get("skipCrds")),
+    )
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["apps"]:
         yaml.safe_dump_all(applications(), sys.stdout, sort_keys=False)
         return 0
-    if argv == ["capabilities"]:
-        print("\n".join(CLUSTER_CAPABILITIES))
-        return 0
-    if len(argv) == 2 and argv[0] == "helm-args":
-        apps = environment_applications()
-        if argv[1] not in apps:
-            print(f"no Application for environment {argv[1]!r} (have {sorted(apps)})", file=sys.stderr)
+    if len(argv) == 2 and argv[0] == "command":
+        try:
+            app = environment_application(argv[1])
+        except lib.CatalogError as exc:
+            print(exc, file=sys.stderr)
             return 2
-        print("\n".join(helm_template_args(apps[argv[1]])))
+        print("\n".join(helm_command(app)))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

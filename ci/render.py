@@ -3,7 +3,8 @@ against the Kubernetes OpenAPI schemas (oldest supported and newest known versio
 each custom resource against its CRD in ci/crds/ (strict, ci/crd_schema.py).
 Writes build/rendered/<env>.yaml for the next steps (checkov).
 
-    python ci/render.py [--helm PATH] [--out DIR]
+    python -m ci.render [--helm PATH] [--out DIR]
+    python -m ci.render --print ENV [--helm PATH]   # ENV's manifests on stdout (make render)
 """
 
 from __future__ import annotations
@@ -17,21 +18,19 @@ import kubernetes_validate
 import yaml
 from kubernetes_validate.utils import all_versions
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from ci import crd_schema, gitops  # noqa: E402
+from ci import crd_schema, gitops, lib
 
-MIN_KUBE = "1.29"
+ROOT = lib.ROOT
 
 
 def kube_versions() -> list[str]:
-    versions = [v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 29)]
+    """The oldest supported (lib.KUBE_MIN) and the newest Kubernetes kubernetes-validate knows."""
+    versions = [v for v in all_versions() if lib.supported(v)]
     return [versions[0], versions[-1]]
 
 
-def render(helm: str, app: dict) -> str:
-    args = [helm, *gitops.helm_template_args(app), *gitops.CLUSTER_CAPABILITIES]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+def render(helm: str | Path, app: dict) -> str:
+    proc = subprocess.run(gitops.helm_command(app, helm), capture_output=True, text=True, timeout=120, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{app['metadata']['name']}: helm template failed:\n{proc.stderr}")
     return proc.stdout
@@ -52,15 +51,29 @@ def validate(docs: list[dict]) -> list[str]:
     return errors
 
 
+def print_env(helm: str, env: str) -> int:
+    """`make render ENV=...`: the manifests only, on stdout; an unknown ENV lists the catalog."""
+    try:
+        app = gitops.environment_application(env)
+    except lib.CatalogError as exc:
+        print(f"render: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render(helm, app))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--helm", default=str(ROOT / ".tools" / "helm-v4.2.1" / "helm"))
+    parser.add_argument("--helm", default=str(lib.HELM))
     parser.add_argument("--out", default=str(ROOT / "build" / "rendered"))
+    parser.add_argument("--print", metavar="ENV", dest="env", help="print ENV's manifests instead (no checks)")
     args = parser.parse_args(argv)
+    if args.env is not None:
+        return print_env(args.helm, args.env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     failed = False
-    for env, app in sorted(gitops.environment_applications().items()):
+    for env, app in gitops.environment_applications().items():
         text = render(args.helm, app)
         docs = [d for d in yaml.safe_load_all(text) if d]
         (out / f"{env}.yaml").write_text(text)

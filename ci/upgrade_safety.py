@@ -13,7 +13,7 @@ Earlier charts compared (tests/test_upgrade_safety.py does the same):
 - the base: $BASE_REF, else the merge base with origin/main, else the last release tag
   (ci/version_bump.py), else HEAD~1.
 
-    python ci/upgrade_safety.py [REV ...]      # default: the two above (whichever exist)
+    python -m ci.upgrade_safety [--helm PATH] [REV ...]   # default: the two above (whichever exist)
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from ci import gitops, version_bump  # noqa: E402
+from ci import lib, version_bump
 
+ROOT = lib.ROOT
 CHART = "charts/pd-inference"
-HELM = ROOT / ".tools" / "helm-v4.2.1" / "helm"
+HELM = lib.HELM
 IMMUTABLE = {
     "StatefulSet": ("selector", "serviceName", "volumeClaimTemplates", "podManagementPolicy"),
     "Deployment": ("selector",),
@@ -100,21 +99,13 @@ def _exists_at(rev: str, path: str, repo: Path) -> bool:
 
 
 def render_env(root: Path, env: dict[str, Any], helm: Path = HELM) -> list[dict[str, Any]]:
-    args = [str(helm), "template", "pd", str(root / CHART), "--namespace", env["namespace"], "--skip-tests"]
-    for f in env["valueFiles"]:
-        args += ["-f", str(root / f)]
-    proc = subprocess.run(args + gitops.CLUSTER_CAPABILITIES, capture_output=True, text=True, timeout=120)
+    args = lib.helm_template(
+        env["valueFiles"], helm=helm, chart=root / CHART, namespace=env["namespace"], root=root, skip_tests=True
+    )
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"helm template ({root}): {proc.stderr}")
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
-def environments(root: Path) -> dict[str, dict[str, Any]]:
-    envs = {}
-    for path in sorted((root / "argocd" / "environments").glob("*.yaml")):
-        env = yaml.safe_load(path.read_text())
-        envs[env["name"]] = env
-    return envs
 
 
 def previous_version_rev(repo: Path = ROOT) -> str | None:
@@ -153,14 +144,14 @@ def default_revs(repo: Path = ROOT) -> dict[str, str]:
 
 
 def check_rev(rev: str, repo: Path = ROOT, helm: Path = HELM) -> list[str]:
-    current = environments(repo)
+    current = lib.environments(repo)
     new_version = chart_version((repo / CHART / "Chart.yaml").read_text())
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         old_root = Path(tmp)
         extract(rev, old_root, repo)
         old_version = chart_version((old_root / CHART / "Chart.yaml").read_text())
-        old_envs = environments(old_root) if (old_root / "argocd" / "environments").is_dir() else {}
+        old_envs = lib.environments(old_root) if (old_root / lib.CATALOG).is_dir() else {}
         for name, env in current.items():
             old_env = old_envs.get(name, env)
             if not all((old_root / f).is_file() for f in old_env["valueFiles"]):
@@ -181,13 +172,16 @@ def render_env_mixed(chart_root: Path, values_root: Path, env: dict[str, Any], h
 
 
 def main(argv: list[str]) -> int:
+    helm = HELM
+    if argv[:1] == ["--helm"]:
+        helm, argv = Path(argv[1]), argv[2:]
     revs = {r: r for r in argv} if argv else default_revs()
     if not revs:
         print("skipped: no earlier chart in git history to compare with (single commit or shallow clone)")
         return 0
     failed = False
     for label, rev in revs.items():
-        failures = check_rev(rev)
+        failures = check_rev(rev, helm=helm)
         for f in failures:
             print(f"FAILED against {label}: {f}", file=sys.stderr)
         failed |= bool(failures)

@@ -6,9 +6,9 @@ with the file(s) and the JSON pointer of the field, e.g.
 
     values/prod.yaml: /decode/replicas: -1 is less than the minimum of 0
 
-    python ci/values_check.py                 # values/**/*.yaml and argocd/environments/*.yaml
-    python ci/values_check.py FILE [FILE...]  # one layering (chart defaults, then the files in order)
-    python ci/values_check.py --root DIR      # the first form on another checkout (tests)
+    python -m ci.values_check                 # values/**/*.yaml and argocd/environments/*.yaml
+    python -m ci.values_check FILE [FILE...]  # one layering (chart defaults, then the files in order)
+    python -m ci.values_check --root DIR      # the first form on another checkout (tests)
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from typing import Any
 import jsonschema
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "charts" / "pd-inference"
-sys.path.insert(0, str(ROOT))
-from ci import envs  # noqa: E402
-from ci.gitops import strategic_merge as merge  # noqa: E402  (Helm's layering: later wins, null deletes)
+from ci import lib
+
+ROOT = lib.ROOT
+CHART = lib.CHART
 
 
 def _pointer(path: Any) -> str:
@@ -42,7 +41,7 @@ def errors_for(files: list[Path], chart: Path = CHART) -> list[str]:
             continue
         if not isinstance(layer, dict):
             return [f"{f}: top level must be a map, got {type(layer).__name__}"]
-        values = merge(values, layer)
+        values = lib.deep_merge(values, layer)  # Helm's layering: later wins, null deletes
     validator = jsonschema.Draft7Validator(schema)
     out = []
     for err in sorted(validator.iter_errors(values), key=lambda e: (list(map(str, e.absolute_path)), e.message)):
@@ -55,12 +54,6 @@ def errors_for(files: list[Path], chart: Path = CHART) -> list[str]:
     return out
 
 
-def _environments(root: Path) -> dict[str, dict[str, Any]]:
-    if root == ROOT:
-        return envs.load()
-    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted((root / "argocd" / "environments").glob("*.yaml"))}
-
-
 def main(argv: list[str]) -> int:
     failed = False
     root = ROOT
@@ -71,7 +64,7 @@ def main(argv: list[str]) -> int:
         layerings = {" + ".join(argv): [Path(a) for a in argv]}
     else:
         layerings = {str(p.relative_to(root)): [p] for p in sorted((root / "values").rglob("*.yaml"))}
-        for name, env in _environments(root).items():
+        for name, env in lib.environments(root).items():
             layerings[f"environment {name} ({' + '.join(env['valueFiles'])})"] = [root / f for f in env["valueFiles"]]
     for name, files in layerings.items():
         errors = errors_for(files, chart)

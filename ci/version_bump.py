@@ -8,7 +8,7 @@ against what users already have. The working tree is compared, so uncommitted ed
 base (nothing released yet, or a shallow clone) it says it skipped and why, and passes; a BASE_REF
 that is not a commit fails, so a misconfigured CI cannot pass silently.
 
-    python ci/version_bump.py            # exit 1 when a bump is missing
+    python -m ci.version_bump            # exit 1 when a bump is missing
 """
 
 from __future__ import annotations

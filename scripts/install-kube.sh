@@ -17,7 +17,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 exec 1>&2
 
-# The newest Kubernetes the module proxy serves, and the oldest (it has nothing before 1.34).
+# The Kubernetes versions the cluster tier runs on: the newest the module proxy serves, and the
+# oldest (it has nothing before 1.34). These are tested versions, not the chart's minimum: that is
+# Chart.yaml kubeVersion (ci/lib.py KUBE_MIN), which Helm is told and every object is validated against offline.
 KUBE_VERSIONS=(v1.37.2 v1.34.0)
 ETCD_VERSION=v3.7.3
 KWOK_VERSION=v0.8.0

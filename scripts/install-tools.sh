@@ -3,21 +3,15 @@
 # PATH) into .tools/, checkov into .tools/checkov-venv, Prometheus (server and promtool, from its Go
 # module) into .tools/prometheus-<PROMETHEUS_VERSION>/{prometheus,promtool}, and llm-d-inference-sim
 # when its installer exists. `make tools` also runs scripts/install-engine-stack.sh and
-# scripts/install-kube.sh. Versions are pinned here and nowhere else.
+# scripts/install-kube.sh. The versions and paths are pinned in scripts/tools.env and nowhere else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec 1>&2  # progress goes to stderr: `make render` prints only manifests on stdout
 
-# Helm 4.2.1 is the version Argo CD 3.5 embeds; 3.21.4 is the newest Helm 3.21.x (checked 2026-11-29).
-HELM4_VERSION=v4.2.1
-HELM3_VERSION=v3.21.4
-# Prometheus v0.316.0 is Prometheus 3.16.0 (3.x is tagged v0.3MINOR.PATCH for Go modules), the newest
-# the Go module proxy serves (checked 2026-12-01).
-PROMETHEUS_VERSION=v0.316.0
-TOOLS="$PWD/.tools"
-
-install_helm() { # major version, e.g. "4" "v4.2.1"
-  local major=$1 version=$2 dir="$TOOLS/helm-$2"
+. scripts/tools.env  # HELM4_VERSION, HELM4, HELM3_VERSION, HELM3, PROMETHEUS_VERSION, PROMETHEUS_DIR
+install_helm() { # major version, version, binary path: 4 "$HELM4_VERSION" "$HELM4"
+  local major=$1 version=$2 dir
+  dir="$PWD/$(dirname "$3")"  # absolute: go install wants an absolute GOBIN
   # A Helm built by `go install` reports only "vMAJOR.MINOR", so the stamp records the full version.
   if [ -x "$dir/helm" ] && [ "$(cat "$dir/.version" 2>/dev/null)" = "$version" ]; then
     return 0
@@ -37,7 +31,7 @@ install_helm() { # major version, e.g. "4" "v4.2.1"
 }
 
 install_prometheus() { # both binaries from one `go install`; the web UI assets are not embedded (the API works)
-  local version=$PROMETHEUS_VERSION dir="$TOOLS/prometheus-$PROMETHEUS_VERSION" module=github.com/prometheus/prometheus
+  local version=$PROMETHEUS_VERSION dir="$PWD/$PROMETHEUS_DIR" module=github.com/prometheus/prometheus
   if [ -x "$dir/prometheus" ] && [ -x "$dir/promtool" ] && [ "$(cat "$dir/.version" 2>/dev/null)" = "$version" ]; then
     return 0
   fi
@@ -59,17 +53,56 @@ install_prometheus() { # both binaries from one `go install`; the web UI assets 
   echo "$version" > "$dir/.version"
 }
 
-# What to install: `helm` (both versions), `checkov`, `prometheus`, `llm-d-sim`; no argument = all four.
+helm_ready() { # version, binary path
+  echo "install-tools: helm $1 ($("$2" version --template '{{.GoVersion}}')) at $2"
+}
+
+# llm-d-inference-sim: its installer (router/tools/install-llm-d-sim.sh) exits 0 and writes
+# .tools/llm-d-inference-sim/UNAVAILABLE when the module cannot be had. A refusal by the module
+# proxy (403/404/410: "not available") will not change by retrying, so it is remembered in
+# $SIM_REFUSED, keyed by the installer's content (a new pin retries), and not fetched again.
+SIM_INSTALLER=router/tools/install-llm-d-sim.sh
+SIM_REFUSED=.tools/llm-d-inference-sim.refused
+install_llm_d_sim() {
+  [ -x "$SIM_INSTALLER" ] || return 0
+  local key note=.tools/llm-d-inference-sim/UNAVAILABLE
+  key="$(sha256sum "$SIM_INSTALLER" | cut -c1-16) ${LLM_D_SIM_VERSION:-default}"
+  if [ "$(head -n1 "$SIM_REFUSED" 2>/dev/null)" = "$key" ]; then
+    echo "install-tools: llm-d-inference-sim skipped: the Go module proxy refused it before (rm $SIM_REFUSED to retry); its interop test skips and says why"
+    return 0
+  fi
+  local out
+  out=$("$SIM_INSTALLER" 2>&1) || true
+  if [ -f "$note" ] && grep -qiE "403 Forbidden|404 Not Found|410 Gone|not available" "$note"; then
+    printf '%s\n%s\n' "$key" "$(cat "$note")" > "$SIM_REFUSED"
+    echo "install-tools: llm-d-inference-sim not installed: the Go module proxy refuses it (remembered in $SIM_REFUSED); its interop test skips and says why"
+  elif [ -f "$note" ]; then
+    echo "install-tools: llm-d-inference-sim not installed ($(head -c 300 "$note")); its interop test skips and says why"
+  else
+    rm -f "$SIM_REFUSED"
+    echo "install-tools: ${out##*$'\n'}"
+  fi
+}
+
+# What to install: `helm` (both versions; `helm4` or `helm3` for one), `checkov`, `prometheus`,
+# `llm-d-sim`; no argument = all four.
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(helm checkov prometheus llm-d-sim)
 for part in "${parts[@]}"; do
   case "$part" in
     helm)
-      install_helm 4 "$HELM4_VERSION"
-      install_helm 3 "$HELM3_VERSION"
-      for version in "$HELM4_VERSION" "$HELM3_VERSION"; do
-        echo "install-tools: helm $version ($("$TOOLS/helm-$version/helm" version --template '{{.GoVersion}}')) at .tools/helm-$version/helm"
-      done
+      install_helm 4 "$HELM4_VERSION" "$HELM4"
+      install_helm 3 "$HELM3_VERSION" "$HELM3"
+      helm_ready "$HELM4_VERSION" "$HELM4"
+      helm_ready "$HELM3_VERSION" "$HELM3"
+      ;;
+    helm4)
+      install_helm 4 "$HELM4_VERSION" "$HELM4"
+      helm_ready "$HELM4_VERSION" "$HELM4"
+      ;;
+    helm3)
+      install_helm 3 "$HELM3_VERSION" "$HELM3"
+      helm_ready "$HELM3_VERSION" "$HELM3"
       ;;
     checkov)
       # checkov (the CI security scan) lives in its own virtualenv: see scripts/install-checkov.sh.
@@ -78,13 +111,9 @@ for part in "${parts[@]}"; do
       ;;
     prometheus)
       install_prometheus
-      echo "install-tools: $("$TOOLS/prometheus-$PROMETHEUS_VERSION/prometheus" --version | head -1) at .tools/prometheus-$PROMETHEUS_VERSION/{prometheus,promtool}"
+      echo "install-tools: $("$PROMETHEUS_DIR/prometheus" --version | head -1) at $PROMETHEUS_DIR/{prometheus,promtool}"
       ;;
-    llm-d-sim)
-      if [ -x router/tools/install-llm-d-sim.sh ]; then
-        router/tools/install-llm-d-sim.sh || echo "install-tools: llm-d-inference-sim not installed (its interop test will skip and say why)"
-      fi
-      ;;
-    *) echo "install-tools: unknown part $part (helm, checkov, prometheus, llm-d-sim)"; exit 2 ;;
+    llm-d-sim) install_llm_d_sim ;;
+    *) echo "install-tools: unknown part $part (helm, helm4, helm3, checkov, prometheus, llm-d-sim)"; exit 2 ;;
   esac
 done

@@ -1,4 +1,5 @@
-"""Real Helm, called through subprocess. Both pinned versions (Makefile: PD_HELM_BINARIES)."""
+"""Real Helm, called through subprocess: both pinned versions (scripts/tools.env, read by ci/lib.py).
+The command lines come from ci/lib.py's builders, the ones CI uses."""
 
 from __future__ import annotations
 
@@ -11,27 +12,20 @@ from typing import Any
 
 import yaml
 
-from ci import gitops
+from ci import lib
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "charts" / "pd-inference"
+ROOT = lib.ROOT
+CHART = lib.CHART
 VALUES = ROOT / "values"
-# Helm 3 assumes Kubernetes 1.20 without a cluster; the chart needs >= 1.29.
-KUBE_VERSION = "1.29.0"
-RELEASE = "pd"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion); Helm 3 assumes 1.20 without a cluster.
+KUBE_VERSION = lib.KUBE_MIN
+RELEASE = lib.RELEASE
 NAMESPACE = "pd-test"
 
 
 def helm_binaries() -> list[Path]:
-    raw = os.environ.get("PD_HELM_BINARIES", "")
-    paths = [Path(p) for p in raw.split(":") if p] or [
-        ROOT / ".tools" / "helm-v4.2.1" / "helm",
-        ROOT / ".tools" / "helm-v3.21.4" / "helm",
-    ]
-    missing = [str(p) for p in paths if not p.exists()]
-    if missing:
-        raise RuntimeError(f"Helm not installed at {missing}: run `make tools`")
-    return paths
+    """Helm 4 (what Argo CD 3.5 embeds), then Helm 3."""
+    return lib.helm_binaries()
 
 
 @dataclass(frozen=True)
@@ -64,16 +58,10 @@ def template(
 ) -> Result:
     """`helm template`; `values_yaml` is written to a temp file and layered last. With
     `capabilities`, the API versions Argo CD would pass from a cluster with every CRD of ci/crds/."""
-    args = [str(helm), "template", release, str(chart), "--namespace", namespace, "--kube-version", KUBE_VERSION]
-    if capabilities:
-        args += gitops.CLUSTER_CAPABILITIES[2:]
-    for f in files:
-        args += ["-f", str(ROOT / f)]
-    if values_yaml is not None:
-        path = _values_file(values_yaml)
-        args += ["-f", str(path)]
-    for s in sets:
-        args += ["--set", s]
+    layers = [*files, *([_values_file(values_yaml)] if values_yaml is not None else [])]
+    args = lib.helm_template(
+        layers, sets, helm=helm, release=release, chart=chart, namespace=namespace, api_versions=capabilities
+    )
     return _run(tuple(args) + extra)
 
 
@@ -90,20 +78,7 @@ def _values_file(text: str) -> Path:
 
 
 def lint(helm: Path, files: tuple[str, ...] = ()) -> Result:
-    # helm lint takes no --api-versions: it renders the custom resources by crds.assumeInstalled.
-    args = [
-        str(helm),
-        "lint",
-        "--strict",
-        str(CHART),
-        "--kube-version",
-        KUBE_VERSION,
-        "--set",
-        "crds.assumeInstalled=true",
-    ]
-    for f in files:
-        args += ["-f", str(ROOT / f)]
-    return _run(tuple(args))
+    return _run(tuple(lib.helm_lint(files, helm=helm)))
 
 
 def render(helm: Path, files: tuple[str, ...] = (), sets: tuple[str, ...] = (), **kw: Any) -> list[dict[str, Any]]:

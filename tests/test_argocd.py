@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from ci import crd_schema as crd_schemas
-from ci import envs, gitops
+from ci import gitops, lib
 from tests import helm
 from tests.cluster import controlplane
 
 ROOT = helm.ROOT
-ENVS = envs.load()
+ENVS = lib.environments()
 CONFIG = yaml.safe_load((ROOT / "argocd" / "config.yaml").read_text())["data"]
 
 pytestmark = pytest.mark.xdist_group("argocd")
@@ -46,7 +46,7 @@ def apps() -> dict[str, dict[str, Any]]:
 @functools.cache
 def argo_render(env: str) -> list[dict[str, Any]]:
     """What Argo CD applies for an environment: its Application's helm template command line."""
-    args = [str(helm.helm_binaries()[0]), *gitops.helm_template_args(apps()[env]), *gitops.CLUSTER_CAPABILITIES]
+    args = gitops.helm_command(apps()[env], helm.helm_binaries()[0])
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
@@ -244,6 +244,16 @@ def test_catalog_file_missing_a_key_fails_generation(tmp_path: Path) -> None:
         gitops.environment_applications(tmp_path)
 
 
+def test_catalog_file_named_otherwise_than_its_file_is_refused(tmp_path: Path) -> None:
+    """The one catalog loader (ci/lib.py environments()) that gitops, CI and the tests share."""
+    for sub in ("argocd", "values"):
+        shutil.copytree(ROOT / sub, tmp_path / sub)
+    dev = tmp_path / "argocd" / "environments" / "dev.yaml"
+    dev.write_text(dev.read_text().replace("name: dev\n", "name: develop\n"))
+    with pytest.raises(lib.CatalogError, match=r"argocd/environments/dev.yaml: name must be 'dev'"):
+        gitops.environment_applications(tmp_path)
+
+
 # --- what Argo CD renders ---------------------------------------------------------------------
 
 
@@ -266,22 +276,36 @@ def test_argocd_render_is_valid_kubernetes(env: str) -> None:
 @pytest.mark.parametrize("env", sorted(ENVS))
 def test_argocd_render_equals_make_render_without_the_test_hook(env: str) -> None:
     """The Application renders what the chart tests render, minus the helm test Pod."""
-    plain = helm.render(
-        helm.helm_binaries()[0],
-        tuple(ENVS[env]["valueFiles"]),
-        namespace=ENVS[env]["namespace"],
-        extra=tuple(gitops.CLUSTER_CAPABILITIES[2:]),
-    )
+    plain = helm.render(helm.helm_binaries()[0], tuple(ENVS[env]["valueFiles"]), namespace=ENVS[env]["namespace"])
     hooks = [d for d in plain if "helm.sh/hook" in d["metadata"].get("annotations", {})]
     assert [(d["kind"], d["metadata"]["annotations"]["helm.sh/hook"]) for d in hooks] == [("Pod", "test")]
     assert argo_render(env) == [d for d in plain if d not in hooks]
 
 
+def make_render(env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "-s", "render", f"ENV={env}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
 def test_make_render_prints_what_argo_cd_applies() -> None:
     """`make render ENV=prod` is what a user reviews: the Application's render, monitors included."""
-    proc = subprocess.run(["make", "-s", "render", "ENV=prod"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = make_render("prod")
     assert proc.returncode == 0, proc.stderr
     assert [d for d in yaml.safe_load_all(proc.stdout) if d] == argo_render("prod")
+
+
+def test_make_render_of_an_unknown_environment_lists_the_catalog() -> None:
+    proc = make_render("qa")
+    assert proc.returncode != 0 and not proc.stdout
+    assert "no environment 'qa' in the catalog (argocd/environments/): have dev, prod, staging" in proc.stderr
+
+
+def test_make_render_of_a_values_file_outside_the_catalog_is_an_error_naming_the_catalog() -> None:
+    """A values file that is no environment (here a profile) is not rendered standalone."""
+    assert (ROOT / "values/profiles/qwen3.5-9b-g6.yaml").is_file()
+    proc = make_render("profiles/qwen3.5-9b-g6")
+    assert proc.returncode != 0 and not proc.stdout
+    assert "values/profiles/qwen3.5-9b-g6.yaml is not an environment" in proc.stderr
+    assert "the catalog (argocd/environments/) has dev, prod, staging" in proc.stderr
 
 
 # --- the AppProject permits exactly what the chart needs --------------------------------------
@@ -325,7 +349,6 @@ def test_chart_features_off_in_every_environment_need_a_project_change() -> None
             "prefill.autoscaling.metrics[0].pods.target.type=AverageValue",
             "prefill.autoscaling.metrics[0].pods.target.averageValue=4",
         ),
-        extra=tuple(gitops.CLUSTER_CAPABILITIES[2:]),
     )
     allowed = {
         (w["group"], w["kind"]) for w in one_of("AppProject", "pd-inference")["spec"]["namespaceResourceWhitelist"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ci import checkov_check, version_bump
+from ci import checkov_check, crd_schema, lib, version_bump
 from tests import helm
 
 ROOT = helm.ROOT
@@ -51,6 +52,73 @@ def test_check_sh_is_what_make_lint_runs() -> None:
     assert "\nlint:" in makefile and "ci/check.sh" in makefile.split("\nlint:")[1].split("\n\n")[0]
 
 
+# --- ci/lib.py: one home per fact ---------------------------------------------------------------
+
+
+def test_helm_pins_live_in_tools_env_and_bash_make_and_python_read_them_alike() -> None:
+    pins = lib.tools()
+    expected = [ROOT / ".tools" / f"helm-{pins[f'HELM{m}_VERSION']}" / "helm" for m in (4, 3)]
+    assert expected == [lib.HELM4, lib.HELM3]
+    assert lib.helm_binaries() == [lib.HELM4, lib.HELM3]
+    shell = run("bash", "-c", ". scripts/tools.env && echo $HELM4 $HELM3 $PROMETHEUS_DIR")
+    make = run("make", "-s", "--eval", "pins: ; @echo $(HELM4) $(HELM3) $(PROMETHEUS_DIR)", "pins")
+    want = f"{pins['HELM4']} {pins['HELM3']} {pins['PROMETHEUS_DIR']}\n"
+    assert (shell.stdout, make.stdout) == (want, want), (shell.stderr, make.stderr)
+    # Nowhere else: no pinned version or .tools/helm-* path in the code that runs Helm.
+    pinned = re.compile("|".join(re.escape(pins[k]) for k in ("HELM4_VERSION", "HELM3_VERSION", "PROMETHEUS_VERSION")))
+    code = [ROOT / "Makefile", ROOT / "ci" / "check.sh", *ROOT.glob("scripts/*.sh"), *ROOT.glob("ci/*.py")]
+    code += [p for p in ROOT.glob("tests/**/*.py") if p != Path(__file__)]
+    for path in code:
+        text = path.read_text()
+        assert not pinned.search(text) and ".tools/helm-v" not in text, (
+            f"{path.relative_to(ROOT)}: read scripts/tools.env"
+        )
+
+
+def test_the_minimum_kubernetes_is_chart_yaml_kube_version() -> None:
+    kube_version = yaml.safe_load((helm.CHART / "Chart.yaml").read_text())["kubeVersion"]
+    assert kube_version == f">={lib.KUBE_MIN}-0"
+    assert helm.KUBE_VERSION == lib.KUBE_MIN
+    major, minor = lib.KUBE_MIN_MINOR
+    assert lib.supported(lib.KUBE_MIN) and not lib.supported(f"{major}.{minor - 1}")
+
+
+def test_one_helm_template_builder() -> None:
+    args = lib.helm_template(
+        ["values/dev.yaml"], ["a=1"], ["b=2"], helm="helm", namespace="ns", include_crds=True, skip_tests=True
+    )
+    assert args[:6] == ["helm", "template", "pd", str(helm.CHART), "--namespace", "ns"]
+    assert args[args.index("-f") + 1] == str(ROOT / "values/dev.yaml")
+    assert args.index("--set") < args.index("--set-string")
+    assert {"--include-crds", "--skip-tests"} <= set(args) and "--skip-crds" not in args
+    assert args[args.index("--kube-version") + 1] == lib.KUBE_MIN
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--api-versions"] == crd_schema.api_versions()
+    assert "--api-versions" not in lib.helm_template(namespace="ns", api_versions=False)
+    lint = lib.helm_lint(["values/dev.yaml"], helm="helm")
+    assert lint[:3] == ["helm", "lint", "--strict"] and lint[lint.index("--kube-version") + 1] == lib.KUBE_MIN
+
+
+def test_an_unknown_environment_is_an_error_listing_the_catalog() -> None:
+    assert list(lib.environments()) == ["dev", "prod", "staging"]
+    with pytest.raises(
+        lib.CatalogError, match=r"no environment 'qa' in the catalog \(argocd/environments/\): have dev, prod, staging"
+    ):
+        lib.environment("qa")
+    with pytest.raises(lib.CatalogError, match=r"values/profiles/qwen3.5-9b-g6.yaml is not an environment"):
+        lib.environment("profiles/qwen3.5-9b-g6")
+
+
+def test_ci_modules_run_as_python_m_without_editing_sys_path() -> None:
+    for path in ROOT.glob("ci/*.py"):
+        assert "sys.path.insert" not in path.read_text(), (
+            f"{path.relative_to(ROOT)}: run it as python -m ci.{path.stem}"
+        )
+    for path in (ROOT / "Makefile", ROOT / "ci" / "check.sh"):
+        assert not re.search(r"\bci/\w+\.py\b", path.read_text()), f"{path.name}: call python -m ci.<name>"
+    result = run(PY, "-m", "ci.helm_lint", "--help")
+    assert result.returncode == 0 and "--kube-version" in result.stdout, result.stderr
+
+
 # --- values schema step -------------------------------------------------------------------------
 
 
@@ -62,7 +130,7 @@ def test_broken_values_file_fails_the_schema_step_naming_the_field(tmp_path: Pat
     data["decode"]["autoscaling"]["maxReplicas"] = "eight"
     data["router"]["replicsa"] = 2
     prod.write_text(yaml.safe_dump(data))
-    result = run(PY, "ci/values_check.py", "--root", str(tmp_path))
+    result = run(PY, "-m", "ci.values_check", "--root", str(tmp_path))
     assert result.returncode == 1
     assert "values/prod.yaml: /decode/autoscaling/maxReplicas: 'eight' is not of type 'integer'" in result.stderr
     assert "values/prod.yaml: /router/replicsa:" in result.stderr
@@ -74,7 +142,7 @@ def test_broken_values_file_fails_the_schema_step_naming_the_field(tmp_path: Pat
 def test_schema_step_checks_a_layering_given_on_the_command_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("kvTransfer:\n  connector: mooncake\n")
-    result = run(PY, "ci/values_check.py", "values/dev.yaml", str(bad))
+    result = run(PY, "-m", "ci.values_check", "values/dev.yaml", str(bad))
     assert result.returncode == 1 and "/kvTransfer/connector: 'mooncake' is not one of" in result.stderr
 
 
@@ -85,9 +153,9 @@ def test_schema_step_checks_a_layering_given_on_the_command_line(tmp_path: Path)
 def checkov_run() -> subprocess.CompletedProcess[str]:
     # A directory of this process's own: pytest-xdist workers must not render into one folder.
     out = Path(tempfile.mkdtemp(prefix="pd-checkov-"))
-    rendered = run(PY, "ci/render.py", "--out", str(out))
+    rendered = run(PY, "-m", "ci.render", "--out", str(out))
     assert rendered.returncode == 0, rendered.stderr
-    return run(PY, "ci/checkov_check.py", "--dir", str(out))
+    return run(PY, "-m", "ci.checkov_check", "--dir", str(out))
 
 
 @pytest.mark.xdist_group("checkov")  # one checkov run serves both tests

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from tests import helm
 from tests.cases import LAYERINGS, LMCACHE, model_name
+
+# `container` is unused here: tests/test_ports_and_policies.py still imports it (and lmcache_config)
+# from this module, until it imports them from tests.manifests.
+from tests.manifests import container, env, kv_transfer_config, lmcache_config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 LMCACHE_KEYS = {
@@ -27,25 +28,6 @@ RETIRED_KEYS = {
     "nixl_proxy_port",
 }
 NEVER_RENDERED = {"pd_skip_proxy_notification"}
-
-
-def container(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    sts = helm.one(docs, "StatefulSet", f"-{role}")
-    return sts["spec"]["template"]["spec"]["containers"][0]
-
-
-def kv_transfer_config(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    args = container(docs, role)["args"]
-    return json.loads(args[args.index("--kv-transfer-config") + 1])
-
-
-def env(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(docs, role)["env"]}
-
-
-def lmcache_config(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    cm = helm.one(docs, "ConfigMap", f"-{role}-lmcache")
-    return yaml.safe_load(cm["data"]["lmcache.yaml"])
 
 
 def test_lmcache_kv_transfer_config_per_role(h4: Path) -> None:

@@ -1,5 +1,6 @@
-"""Every values file and environment layering renders with both Helm versions, passes
-`helm lint --strict`, and every object validates against Kubernetes 1.29 .. newest schemas."""
+"""Every values file, scenario and environment layering renders with both Helm versions, passes
+`helm lint --strict`, and every object validates against the schemas of every Kubernetes from the
+chart's minimum (Chart.yaml kubeVersion) to the newest."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import kubernetes_validate
 import pytest
 from kubernetes_validate.utils import all_versions
 
-from ci import crd_schema
-from tests import helm
+from ci import crd_schema, lib
+from tests import cases, helm
 from tests.cases import LAYERINGS, VALUES_FILES
 
-KUBE_VERSIONS = [v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 29)]
+KUBE_VERSIONS = [v for v in all_versions() if lib.supported(v)]
 
 
 def test_kubernetes_versions_cover_the_supported_range() -> None:
-    assert KUBE_VERSIONS[0].startswith("1.29.")
+    # kubernetes-validate has the schemas of the chart's minimum (Chart.yaml kubeVersion) itself.
+    assert KUBE_VERSIONS[0].startswith("{}.{}.".format(*lib.KUBE_MIN_MINOR)), (lib.KUBE_MIN, KUBE_VERSIONS)
     assert len(KUBE_VERSIONS) >= 8, KUBE_VERSIONS
 
 
@@ -59,6 +61,30 @@ def test_every_values_file_is_covered() -> None:
     assert {"values/dev.yaml", "values/staging.yaml", "values/prod.yaml"} <= set(VALUES_FILES)
     assert any("llama-3.3-70b-p5" in f for f in VALUES_FILES)
     assert any("qwen3.5-9b-g6" in f for f in VALUES_FILES)
+
+
+def test_every_scenario_file_is_a_layering() -> None:
+    """tests/scenarios/<name>.yaml is the layering `scenario:<name>`, its values files in order."""
+    files = sorted(p.stem for p in cases.SCENARIOS.glob("*.yaml"))
+    assert files == sorted(n.removeprefix("scenario:") for n in LAYERINGS if n.startswith("scenario:"))
+    assert {"lmcache", "lmcache+staging", "qwen-g6+prod", "llama-p5+dev"} <= set(files)
+    assert LAYERINGS["scenario:lmcache+staging"] == (cases.LMCACHE, "values/staging.yaml")
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("valueFiles: [values/dev.yaml]\nset: [a=b]\n", "nothing else"),
+        ("valueFiles: []\n", "non-empty list"),
+        ("- values/dev.yaml\n", "a scenario is `valueFiles:`"),
+        ("valueFiles: [values/nope.yaml]\n", "values/nope.yaml"),
+    ],
+)
+def test_a_malformed_scenario_file_is_refused_naming_it(tmp_path: Path, text: str, error: str) -> None:
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ValueError, match="bad.yaml") as exc:
+        cases.scenarios(tmp_path)
+    assert error in str(exc.value)
 
 
 def test_unknown_key_fails_and_names_it(any_helm: Path) -> None:

@@ -9,7 +9,8 @@ import pytest
 from pd_router.config import ConfigError, load_config
 
 from tests import helm
-from tests.cases import LAYERINGS
+from tests.cases import LAYERINGS, LMCACHE
+from tests.manifests import router_config
 
 
 def _write_router_config(h4: Path, files: tuple[str, ...], tmp_path: Path, sets: tuple[str, ...] = ()) -> Path:
@@ -109,11 +110,9 @@ def test_the_chart_refuses_what_the_router_would_refuse_at_start_up(h4: Path, ru
     import yaml
     from pd_router.config import parse_config
 
-    from tests.cases import LMCACHE
-
     values, (section, field) = ROUTER_RULES[rule]
     base = (LMCACHE,) if "kvTransfer" in values else ()
-    good = yaml.safe_load(helm.one(helm.render(h4, base), "ConfigMap", "-router")["data"]["router.yaml"])
+    good = router_config(helm.render(h4, base))
     bad = copy.deepcopy(good)
     section_values = values.get("router", {}) if section != "lmcache" else values["kvTransfer"]["lmcache"]
     bad.setdefault(section, {})

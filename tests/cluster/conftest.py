@@ -5,9 +5,11 @@ pytest-xdist worker runs in order (the `xdist_group` of each version)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests import helm
 from tests.cluster import controlplane, fleet
 
 
@@ -33,3 +35,9 @@ def cluster(
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(params=helm.helm_binaries(), ids=lambda p: p.parent.name)
+def helm_bin(request: pytest.FixtureRequest) -> Path:
+    """Each pinned Helm in turn, for the tests that install with both."""
+    return request.param

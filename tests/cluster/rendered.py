@@ -20,8 +20,7 @@ def environment(env: str) -> tuple[dict[str, Any], ...]:
     """The environment's objects as Argo CD applies them (its Application's helm template)."""
     import subprocess
 
-    app = gitops.environment_applications()[env]
-    args = [str(helm.helm_binaries()[0]), *gitops.helm_template_args(app), *gitops.CLUSTER_CAPABILITIES]
+    args = gitops.helm_command(gitops.environment_application(env), helm.helm_binaries()[0])
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=helm.ROOT, check=True)
     return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from ci import crd_schema, envs
+from ci import crd_schema, lib
 from tests import helm
 from tests.cluster import fleet, rendered
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.test_install import POD_SECURITY
+from tests.cluster.releases import POD_SECURITY
 
-ENV_FILES = {name: env["valueFiles"] for name, env in envs.load().items()}
+ENV_FILES = {name: env["valueFiles"] for name, env in lib.environments().items()}
 ENVS = sorted(ENV_FILES)
 
 

@@ -6,31 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from ci import envs
+from ci import lib
 from tests import helm
 from tests.cluster import fleet
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.releases import POD_SECURITY, by_component, layerings, names
 
-ENVS = envs.load()
-# The Pod Security level each environment's namespace needs (README "Pod Security"): the EFA
-# engines add IPC_LOCK and prod caches weights on a hostPath, which only `privileged` allows; the
-# chart defaults (no EFA, emptyDir) run under `restricted`, router and all.
-POD_SECURITY = {"defaults": "restricted", "dev": "privileged", "staging": "privileged", "prod": "privileged"}
-LAYERINGS = {"defaults": (), **{name: tuple(env["valueFiles"]) for name, env in ENVS.items()}}
+LAYERINGS = layerings()
 ENGINES = ("prefill", "decode")
-
-
-def names(binary: Path) -> str:
-    return binary.parent.name.replace(".", "-")
-
-
-@pytest.fixture(params=helm.helm_binaries(), ids=lambda p: p.parent.name)
-def helm_bin(request: pytest.FixtureRequest) -> Path:
-    return request.param
 
 
 @pytest.fixture
@@ -47,7 +33,7 @@ def release(cluster: ControlPlane, request: pytest.FixtureRequest, helm_bin: Pat
 
 
 def install(cluster: ControlPlane, helm_bin: Path, env: str, ns: str, *extra: str) -> None:
-    values = [a for f in LAYERINGS[env] for a in ("-f", str(helm.ROOT / f))]
+    values = lib.value_flags(LAYERINGS[env])
     proc = cluster.run(helm_bin, "install", "pd", helm.CHART, "-n", ns, *values, "--wait", "--timeout", "300s", *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr + pending_reasons(cluster, ns)
 
@@ -56,13 +42,6 @@ def pending_reasons(cluster: ControlPlane, ns: str) -> str:
     """What the scheduler and admission said, for a failure message."""
     events = cluster.kubectl("get", "events", "-n", ns, "-o", "custom-columns=REASON:.reason,MSG:.message", check=False)
     return "\nevents:\n" + events.stdout[-3000:]
-
-
-def by_component(pods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for p in pods:
-        out.setdefault(p["metadata"]["labels"].get("app.kubernetes.io/component", ""), []).append(p)
-    return out
 
 
 @pytest.mark.parametrize("env", sorted(LAYERINGS))

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 import yaml
 
-from ci import envs, gitops
+from ci import lib
 from ci import upgrade_safety as us
 from tests import helm
+from tests.cases import LMCACHE
 from tests.cluster import fleet
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.test_install import POD_SECURITY, by_component, names
+from tests.cluster.releases import POD_SECURITY, by_component, names
 
-ENVS = envs.load()
+ENVS = lib.environments()
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +35,6 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return rev, root
 
 
-@pytest.fixture(params=helm.helm_binaries(), ids=lambda p: p.parent.name)
-def helm_bin(request: pytest.FixtureRequest) -> Path:
-    return request.param
-
-
 @pytest.fixture
 def namespace(cluster: ControlPlane, request: pytest.FixtureRequest, helm_bin: Path) -> Iterator[str]:
     ns = f"up-{request.node.callspec.params.get('env', 'x')}-{names(helm_bin)}"
@@ -49,8 +45,8 @@ def namespace(cluster: ControlPlane, request: pytest.FixtureRequest, helm_bin: P
 
 
 def values(root: Path, env: str) -> list[str]:
-    catalog = yaml.safe_load((root / "argocd" / "environments" / f"{env}.yaml").read_text())
-    return [a for f in catalog["valueFiles"] for a in ("-f", str(root / f))]
+    """`-f` flags of an environment's value files, from the catalog of the checkout at `root`."""
+    return lib.value_flags(lib.environments(root)[env]["valueFiles"], root)
 
 
 def helm_ok(cluster: ControlPlane, *args: str | Path) -> str:
@@ -120,7 +116,7 @@ def test_switching_the_connector_both_ways_on_a_running_release(
 ) -> None:
     """nixl -> lmcache turns the router's rollout to Recreate and back: both upgrades go through
     (the chart renders the strategy in full, never leaving the API server's defaults behind)."""
-    lm = ("-f", str(helm.ROOT / "tests/scenarios/lmcache.yaml"))
+    lm = lib.value_flags([LMCACHE])
     for step, connector in enumerate(("nixl", "lmcache", "nixl")):
         verb = "install" if step == 0 else "upgrade"
         helm_ok(
@@ -183,17 +179,10 @@ def mutated_chart(tmp: Path, file: str, pattern: str, replacement: str) -> Path:
 
 
 def render(chart: Path, env: str, ns: str) -> list[dict[str, Any]]:
-    args = [
-        str(helm.helm_binaries()[0]),
-        "template",
-        "pd",
-        str(chart),
-        "-n",
-        ns,
-        *values(helm.ROOT, env),
-        "--skip-tests",
-        *gitops.CLUSTER_CAPABILITIES[2:],  # the environments' monitors and rules need their APIs
-    ]
+    # With the CRDs' APIs (lib.capabilities()): the environments' monitors and rules need them.
+    args = lib.helm_template(
+        ENVS[env]["valueFiles"], helm=helm.helm_binaries()[0], chart=chart, namespace=ns, skip_tests=True
+    )
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True)
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 

@@ -30,7 +30,7 @@ from tests.engines import stack
 pytestmark = pytest.mark.xdist_group("engine-lmcache-wire")
 
 TP = 2
-MODEL = "llama-3.1-8b"  # tests/scenarios/lmcache.yaml servedName
+MODEL = "llama-3.1-8b"  # tests/values/lmcache.yaml servedName
 BUFFER = 4 << 20
 PROMPT = " ".join(f"word{i % 97}" for i in range(700))  # > 2 LMCache chunks of 256 tokens
 

@@ -1,10 +1,9 @@
-"""The real Prometheus 3.16 (module v0.316.0, built by `make tools`: scripts/install-tools.sh):
+"""The real Prometheus (the version scripts/tools.env pins, built by `make tools`):
 a server on loopback that scrapes the live stack, and promtool, which checks, tests and queries."""
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 import urllib.parse
@@ -15,12 +14,14 @@ from typing import Any
 import yaml
 from pd_router_dev.devstack import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-# The pin lives in scripts/install-tools.sh (PROMETHEUS_VERSION), which installs the binaries here.
-_PIN = re.search(r"^PROMETHEUS_VERSION=(\S+)$", (ROOT / "scripts" / "install-tools.sh").read_text(), re.M)
-assert _PIN, "scripts/install-tools.sh: no PROMETHEUS_VERSION"
-TOOLS = ROOT / ".tools" / f"prometheus-{_PIN.group(1)}"
+from ci import lib
+
+ROOT = lib.ROOT
+# The pin and the directory live in scripts/tools.env (PROMETHEUS_VERSION, PROMETHEUS_DIR).
+TOOLS = lib.PROMETHEUS_DIR
 PROMETHEUS, PROMTOOL = TOOLS / "prometheus", TOOLS / "promtool"
+# The chart's Grafana dashboard, whose every panel query the tier proves returns data.
+DASHBOARD = lib.CHART / "files" / "dashboards" / "pd-inference.json"
 HTTP_TIMEOUT = 10
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests import helm
 from tests.cases import LMCACHE
-from tests.observability.test_queries import DASHBOARD
+from tests.observability.prom import DASHBOARD
 
 ON = "metrics:\n  serviceMonitor: {enabled: true}\n  podMonitor: {enabled: true}\n  prometheusRule: {enabled: true}\n"
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
 from tests import helm
 from tests.observability.livestack import LiveStack
+from tests.observability.prom import DASHBOARD
 
 pytestmark = pytest.mark.xdist_group("observability")
-DASHBOARD = (
-    Path(__file__).resolve().parents[2] / "charts" / "pd-inference" / "files" / "dashboards" / "pd-inference.json"
-)
 SECONDS = 30  # how long a query may take to see the traffic's scrapes before it counts as empty
 
 
