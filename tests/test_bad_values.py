@@ -36,7 +36,7 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "bad_env_entry": ("engine:\n  env:\n    - value: x\n", ("/engine/env/0", "name")),
     "bad_quantity": ("efa:\n  hugepages2Mi: lots\n", ("/efa/hugepages2Mi",)),
-    "bad_image_digest": ("engineImage:\n  digest: md5:abc\n", ("/engineImage/digest",)),
+    "bad_image_digest": ("engine:\n  image:\n    digest: md5:abc\n", ("/engine/image/digest",)),
     "bad_model_cache_type": ("modelCache:\n  type: s3\n", ("/modelCache/type",)),
     "partial_kv_shape": ("model:\n  kvShape: {layers: 80}\n", ("model.kvShape.kvHeads",)),
     "pinned_zone_vs_node_selector": (
@@ -224,8 +224,8 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("prefill.nodeSelector", "placement.zone=us-east-1a"),
     ),
     "engine_image_repository_not_a_reference": (
-        "engineImage:\n  repository: Not A Repo\n",
-        ("/engineImage/repository",),
+        "engine:\n  image:\n    repository: Not A Repo\n",
+        ("/engine/image/repository",),
     ),
     "router_image_tag_with_a_colon": ("router:\n  image:\n    tag: 'v1:2'\n", ("/router/image/tag",)),
     "hf_token_secret_name_not_dns": ("model:\n  hfTokenSecret:\n    name: HF_Token\n", ("/model/hfTokenSecret/name",)),
@@ -315,7 +315,7 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 
-# The same, layered over tests/scenarios/lmcache.yaml (LMCache PD with a full-attention model): the
+# The same, layered over tests/values/lmcache.yaml (LMCache PD with a full-attention model): the
 # rules that hold only for the LMCache connector.
 BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     "undersized_kv_buffer": (

@@ -1,5 +1,6 @@
-"""Every port is defined once (values `ports`) and agrees across the router config, containers,
-Services, NetworkPolicies and LMCache configs; NetworkPolicies select the pods they protect."""
+"""Every port is defined once (values `ports`, read by the one port model in templates/_ports.tpl)
+and agrees across the router config, containers, Services, NetworkPolicies and LMCache configs;
+NetworkPolicies select the pods they protect."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests import helm
 from tests.cases import LAYERINGS, LMCACHE
-from tests.test_kv_config import container, lmcache_config
+from tests.manifests import container, container_ports, lmcache_config, policy_ports, router_config, service_ports
 
 CUSTOM_PORTS = (
     "ports.engineHttp=8100",
@@ -23,24 +23,6 @@ CUSTOM_PORTS = (
     "prefill.tensorParallelSize=2",
     "decode.tensorParallelSize=2",
 )
-
-
-def router_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return yaml.safe_load(helm.one(docs, "ConfigMap", "-router")["data"]["router.yaml"])
-
-
-def container_ports(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, int]:
-    c = helm.one(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
-    return {p["name"]: p["containerPort"] for p in c["ports"]}
-
-
-def service_ports(docs: list[dict[str, Any]], suffix: str) -> dict[str, int]:
-    return {p["name"]: p["port"] for p in helm.one(docs, "Service", suffix)["spec"]["ports"]}
-
-
-def policy_ports(docs: list[dict[str, Any]], suffix: str) -> set[int]:
-    policy = helm.one(docs, "NetworkPolicy", suffix)
-    return {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"] if "endPort" not in p}
 
 
 def test_lmcache_ports_agree_everywhere(h4: Path) -> None:
@@ -255,3 +237,88 @@ def test_prometheus_reaches_the_engines_metrics_proxy_and_not_their_api(h4: Path
     pol = helm.one(docs, "NetworkPolicy", "-decode")
     assert {p["port"] for r in pol["spec"]["ingress"] if peer in r.get("from", []) for p in r["ports"]} == {8000}
     assert helm.one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+
+
+def test_egress_opens_only_ports_the_peer_listens_on(h4: Path) -> None:
+    """Egress is derived from the port model: to each peer, the ports of it that name this pod as a
+    source. The decoders push nothing to the prefillers with LMCache, so their egress to them opens
+    no LMCache receiver port (only the ephemeral UCX ports over TCP)."""
+    docs = helm.render(h4, (LMCACHE,), sets=("networkPolicy.egress.enabled=true",))
+    pods = _pod_labels(docs)
+
+    def egress(component: str) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for rule in helm.one(docs, "NetworkPolicy", f"-{component}")["spec"]["egress"]:
+            for peer in rule["to"]:
+                if "podSelector" in peer and "namespaceSelector" not in peer:
+                    for c, labels in pods.items():
+                        if _selects(peer["podSelector"], labels):
+                            out.setdefault(c, set()).update(p["port"] for p in rule["ports"])
+        return out
+
+    assert egress("prefill") == {"decode": {7300, 7400, 1024}, "router": {7500}}
+    assert egress("decode") == {"prefill": {1024}}
+    assert egress("router") == {"prefill": {8000}, "decode": {8000}}
+    docs = helm.render(h4, (LMCACHE,), sets=("networkPolicy.egress.enabled=true", "efa.enabled=true", "efa.devices=1"))
+    decode = helm.one(docs, "NetworkPolicy", "-decode")["spec"]["egress"]
+    assert not any(r["to"][0].get("podSelector") for r in decode[1:]), decode  # EFA: nothing to reach
+
+
+@pytest.mark.parametrize(
+    "base,sets,expected",
+    [
+        # the ports of the connector not in use are checked too, so switching it later cannot collide
+        ((), ("ports.proxyNotification=8000",), ("ports.routerHttp", "ports.proxyNotification", "connector lmcache")),
+        ((), ("ports.lmcacheAllocBase=8001",), ("ports.engineMetrics", "ports.lmcacheAllocBase", "decode pods")),
+        # the metrics proxy's port, even while the proxy is off
+        (
+            (),
+            ("engine.metricsProxy.enabled=false", "ports.engineMetrics=8000"),
+            ("ports.engineHttp", "ports.engineMetrics"),
+        ),
+        # the notification sidecar binds ports.proxyNotification on 127.0.0.1 in the prefill pod
+        (
+            (LMCACHE,),
+            ("kvTransfer.lmcache.notificationReceiver=prefillSidecar", "ports.proxyNotification=8000"),
+            ("ports.engineHttp", "ports.proxyNotification", "prefill pods"),
+        ),
+    ],
+)
+def test_port_collisions_are_refused_naming_both_values(
+    h4: Path, base: tuple[str, ...], sets: tuple[str, ...], expected: tuple[str, ...]
+) -> None:
+    result = helm.template(h4, base, sets=sets)
+    assert result.returncode != 0, result.stdout[:300]
+    for text in expected:
+        assert text in result.stderr, (text, result.stderr)
+
+
+def test_ports_of_distinct_pods_may_repeat(h4: Path) -> None:
+    """A collision is two ports of ONE pod: the router's and the engines' HTTP ports may be equal
+    (the default), and so may ports of modes that never run together."""
+    assert helm.template(h4, sets=("ports.notificationSidecar=5600",)).returncode == 0  # sidecar: LMCache only
+    # NIXL's side channel and LMCache's receiver ports: one connector or the other, never both
+    assert helm.template(h4, sets=("ports.lmcacheInitBase=5600",)).returncode == 0
+    assert helm.template(h4, (LMCACHE,), sets=("ports.nixlSideChannel=7400",)).returncode == 0
+    sidecar = ("kvTransfer.lmcache.notificationReceiver=prefillSidecar", "ports.lmcacheInitBase=7600")
+    assert helm.template(h4, (LMCACHE,), sets=sidecar).returncode == 0  # decoders vs the prefill pods
+
+
+def test_every_declared_port_is_in_the_service_or_policy_it_belongs_to(h4: Path) -> None:
+    """Across every layering: each Service port targets a port its pods declare, and each
+    ingress port of a policy is one its pods declare (or the UCX range)."""
+    for name, files in LAYERINGS.items():
+        docs = helm.render(h4, files, sets=("networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prom",))
+        for component in ("router", "prefill", "decode"):
+            kind = "Deployment" if component == "router" else "StatefulSet"
+            pod = helm.one(docs, kind, f"-{component}")["spec"]["template"]["spec"]
+            declared = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+            for port in helm.one(docs, "Service", f"-{component}")["spec"]["ports"]:
+                assert port["targetPort"] in declared, (name, component, port)
+            opened = {
+                p["port"]
+                for r in helm.one(docs, "NetworkPolicy", f"-{component}")["spec"]["ingress"]
+                for p in r["ports"]
+                if "endPort" not in p
+            }
+            assert opened <= set(declared.values()), (name, component, opened, declared)

@@ -12,14 +12,10 @@ import yaml
 
 from tests import helm
 from tests.cases import LMCACHE
-from tests.test_kv_config import container
+from tests.manifests import container, pod_spec
 
 ZONE = "topology.kubernetes.io/zone"
 CHART_VERSION = yaml.safe_load((helm.CHART / "Chart.yaml").read_text())["version"]
-
-
-def pod_spec(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
-    return helm.one(docs, kind, suffix)["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize("tp", [1, 8])
@@ -231,7 +227,7 @@ def test_images_by_tag_or_digest(h4: Path) -> None:
     docs = helm.render(h4)
     assert container(docs, "decode")["image"] == "lmcache/vllm-openai:v0.5.6"
     assert pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == "ghcr.io/pd-inference/pd-router:0.1.0"
-    docs = helm.render(h4, sets=(f"engineImage.digest={digest}", f"router.image.digest={digest}"))
+    docs = helm.render(h4, sets=(f"engine.image.digest={digest}", f"router.image.digest={digest}"))
     assert container(docs, "decode")["image"] == f"lmcache/vllm-openai@{digest}"
     assert (
         pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == f"ghcr.io/pd-inference/pd-router@{digest}"

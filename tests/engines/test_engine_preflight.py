@@ -14,6 +14,7 @@ import yaml
 from tests import helm
 from tests.cases import LMCACHE
 from tests.engines import stack
+from tests.manifests import lmcache_config
 
 # One worker runs the whole module: its real-stack harness runs once, cached (pytest-xdist loadgroup).
 pytestmark = pytest.mark.xdist_group("engine-preflight")
@@ -33,8 +34,7 @@ def rendered_command(files: tuple[str, ...] = (), sets: tuple[str, ...] = (), ro
 
 
 def lmcache_yaml(role: str = "decode", **changes: object) -> str:
-    docs = helm.render(helm.helm_binaries()[0], (LMCACHE,))
-    cfg = yaml.safe_load(helm.one(docs, "ConfigMap", f"-{role}-lmcache")["data"]["lmcache.yaml"])
+    cfg = lmcache_config(helm.render(helm.helm_binaries()[0], (LMCACHE,)), role)
     cfg.update(changes)
     return yaml.safe_dump({k: v for k, v in cfg.items() if v is not None})
 
@@ -165,7 +165,7 @@ def test_a_vllm_that_runs_in_another_interpreter(tmp_path: Path) -> None:
 
 def test_an_engine_command_that_is_not_there(tmp_path: Path) -> None:
     line = failure_line(preflight(rendered_command(), tmp_path, engine=["no-such-vllm", "serve"]))
-    assert line == "the engine command 'no-such-vllm' is not on PATH in this image (engineImage)"
+    assert line == "the engine command 'no-such-vllm' is not on PATH in this image (engine.image)"
 
 
 def test_a_nixl_that_crashes_is_reported_in_one_line(tmp_path: Path) -> None:

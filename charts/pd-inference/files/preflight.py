@@ -160,7 +160,7 @@ def check_nixl_backend(backend: str, field: str, buffer_device: str, buffer_fiel
             api = importlib.import_module("nixl._api")
     except ImportError as exc:
         raise Failed(
-            f"{field} needs NIXL, but the engine image cannot import it ({exc}); use an engine image with NIXL (engineImage) {fix_python}"
+            f"{field} needs NIXL, but the engine image cannot import it ({exc}); use an engine image with NIXL (engine.image) {fix_python}"
         ) from None
     nixl_version = version_of("nixl") or "unknown"
     error = ""
@@ -206,7 +206,7 @@ def check_lmcache_config(log: str) -> str:
             utils = importlib.import_module("lmcache.integration.vllm.utils")
     except ImportError as exc:
         raise Failed(
-            f"{field} needs LMCache, but the engine image cannot import it ({exc}); use an LMCache engine image (engineImage)"
+            f"{field} needs LMCache, but the engine image cannot import it ({exc}); use an LMCache engine image (engine.image)"
         ) from None
     path = os.environ.get("LMCACHE_CONFIG_FILE", "")
     if not path or not os.path.isfile(path):
@@ -263,7 +263,7 @@ def check_engine_command(command: list[str], checked_vllm: list[str]) -> str:
     above would have looked at the wrong Python's packages). Returns the vLLM part of the summary."""
     exe = shutil.which(command[0])
     if exe is None:
-        raise Failed(f"the engine command {command[0]!r} is not on PATH in this image (engineImage)")
+        raise Failed(f"the engine command {command[0]!r} is not on PATH in this image (engine.image)")
     vllm = version_of("vllm")
     if vllm is None:
         raise Failed(

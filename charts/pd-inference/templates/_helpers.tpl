@@ -44,10 +44,10 @@ StatefulSet controller-revision-hash label stay within Kubernetes' 63-character 
 {{- end -}}
 
 {{- define "pd-inference.engineServiceAccountName" -}}
-{{- if .Values.engineServiceAccount.create -}}
-{{- default (include "pd-inference.componentName" (dict "ctx" . "component" "engine")) .Values.engineServiceAccount.name -}}
+{{- if .Values.engine.serviceAccount.create -}}
+{{- default (include "pd-inference.componentName" (dict "ctx" . "component" "engine")) .Values.engine.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.engineServiceAccount.name -}}
+{{- default "default" .Values.engine.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 
@@ -80,24 +80,7 @@ helm.sh/chart: {{ include "pd-inference.chart" .ctx }}
 {{- end -}}
 {{- end -}}
 
-{{/* Ports ----------------------------------------------------------------- */}}
-
-{{/* List of ports, one per TP rank: (dict "base" 7300 "count" 8) -> [7300, ..., 7307] as JSON. */}}
-{{- define "pd-inference.portRange" -}}
-{{- $ports := list -}}
-{{- range $rank := until (int .count) -}}
-{{- $ports = append $ports (add (int $.base) $rank) -}}
-{{- end -}}
-{{- toJson $ports -}}
-{{- end -}}
-
-{{- define "pd-inference.lmcacheInitPorts" -}}
-{{- include "pd-inference.portRange" (dict "base" .Values.ports.lmcacheInitBase "count" .Values.decode.tensorParallelSize) -}}
-{{- end -}}
-
-{{- define "pd-inference.lmcacheAllocPorts" -}}
-{{- include "pd-inference.portRange" (dict "base" .Values.ports.lmcacheAllocBase "count" .Values.decode.tensorParallelSize) -}}
-{{- end -}}
+{{/* Ports: templates/_ports.tpl. */}}
 
 {{/* The NIXL backend: LIBFABRIC on EFA, UCX otherwise, unless set explicitly. */}}
 {{- define "pd-inference.nixlBackend" -}}

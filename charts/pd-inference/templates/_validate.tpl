@@ -6,6 +6,13 @@ Included once, from templates/validate.yaml, so `helm template` and `helm instal
 {{- $v := .Values -}}
 {{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
 
+{{- /* Values that moved (files/moved-values.yaml): the schema lets the old key through so that this names the new one. */ -}}
+{{- range $old, $move := .Files.Get "files/moved-values.yaml" | fromYaml -}}
+{{- if hasKey $v $old -}}
+{{- fail (printf "%s: moved to %s in chart %s; put these values under %s (chart README, \"Upgrading\")" $old $move.to $move.since $move.to) -}}
+{{- end -}}
+{{- end -}}
+
 {{- /*
 What the pinned vLLM can serve. LMCacheConnectorV1 does not implement vLLM's SupportsHMA (vLLM
 0.31.0 and 0.33.0: kv_connector/v1/lmcache_connector.py), so with a hybrid model vLLM turns the
@@ -69,35 +76,7 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail "placement.sameZone: EFA traffic does not cross availability zones; keep placement.sameZone=true or pin placement.zone when efa.enabled=true" -}}
 {{- end -}}
 
-{{- $ports := dict -}}
-{{- $engineTp := max (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize) -}}
-{{- $_ := set $ports (toString $v.ports.engineHttp) "ports.engineHttp" -}}
-{{- range $name := list "nixlSideChannel" "engineMetrics" -}}
-{{- $p := toString (get $v.ports $name) -}}
-{{- if hasKey $ports $p -}}
-{{- fail (printf "ports.%s: port %s is already used by %s" $name $p (get $ports $p)) -}}
-{{- end -}}
-{{- $_ := set $ports $p (printf "ports.%s" $name) -}}
-{{- end -}}
-{{- range $name := list "lmcacheInitBase" "lmcacheAllocBase" -}}
-{{- range $rank := until (int $v.decode.tensorParallelSize) -}}
-{{- $p := toString (add (int (get $v.ports $name)) $rank) -}}
-{{- if hasKey $ports $p -}}
-{{- fail (printf "ports.%s: port %s (TP rank %d) is already used by %s" $name $p $rank (get $ports $p)) -}}
-{{- end -}}
-{{- $_ := set $ports $p (printf "ports.%s" $name) -}}
-{{- end -}}
-{{- end -}}
-{{- if eq (include "pd-inference.notificationSidecar" .) "true" -}}
-{{- range $name := list "engineHttp" "proxyNotification" "engineMetrics" -}}
-{{- if eq (int (get $v.ports $name)) (int $v.ports.notificationSidecar) -}}
-{{- fail (printf "ports.notificationSidecar: port %d is already ports.%s in the prefill pod" (int $v.ports.notificationSidecar) $name) -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
-{{- if and (eq (int $v.ports.proxyNotification) (int $v.ports.routerHttp)) -}}
-{{- fail (printf "ports.proxyNotification: port %d is already the router's HTTP port (ports.routerHttp)" (int $v.ports.proxyNotification)) -}}
-{{- end -}}
+{{- include "pd-inference.validate.ports" . -}}
 
 {{- /* Names: "<fullname>-prefill" is a StatefulSet whose pods carry the label
 controller-revision-hash "<name>-<10-character hash>", at most 63 characters, so the fullname may
@@ -111,7 +90,7 @@ have at most 44 (a longer one used to be cut, and the prefill pods then never go
 {{- /* Label and annotation keys: Kubernetes' qualified names ([prefix/]name); alert labels:
 Prometheus label names. */ -}}
 {{- $qualified := "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$" -}}
-{{- $maps := dict "commonLabels" $v.commonLabels "metrics.serviceMonitor.labels" $v.metrics.serviceMonitor.labels "metrics.podMonitor.labels" $v.metrics.podMonitor.labels "metrics.prometheusRule.labels" $v.metrics.prometheusRule.labels "metrics.grafanaDashboard.labels" $v.metrics.grafanaDashboard.labels "metrics.grafanaDashboard.annotations" $v.metrics.grafanaDashboard.annotations "router.service.annotations" $v.router.service.annotations "router.serviceAccount.annotations" $v.router.serviceAccount.annotations "engineServiceAccount.annotations" $v.engineServiceAccount.annotations -}}
+{{- $maps := dict "commonLabels" $v.commonLabels "metrics.serviceMonitor.labels" $v.metrics.serviceMonitor.labels "metrics.podMonitor.labels" $v.metrics.podMonitor.labels "metrics.prometheusRule.labels" $v.metrics.prometheusRule.labels "metrics.grafanaDashboard.labels" $v.metrics.grafanaDashboard.labels "metrics.grafanaDashboard.annotations" $v.metrics.grafanaDashboard.annotations "router.service.annotations" $v.router.service.annotations "router.serviceAccount.annotations" $v.router.serviceAccount.annotations "engine.serviceAccount.annotations" $v.engine.serviceAccount.annotations -}}
 {{- range $role := list "prefill" "decode" "router" -}}
 {{- range $m := list "podLabels" "podAnnotations" "nodeSelector" -}}
 {{- $_ := set $maps (printf "%s.%s" $role $m) (get (get $v $role) $m) -}}
@@ -171,12 +150,6 @@ generated from pd_router.config). */ -}}
 {{- end -}}
 {{- if and $lmcache (gt (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
 {{- fail (printf "kvTransfer.lmcache.chunkSize: %d tokens per chunk is above model.maxModelLen (%d): no request would fill a chunk" (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
-{{- end -}}
-{{- range $name := list "lmcacheInitBase" "lmcacheAllocBase" -}}
-{{- $last := add (int (get $v.ports $name)) (sub (int $v.decode.tensorParallelSize) 1) -}}
-{{- if gt (int $last) 65535 -}}
-{{- fail (printf "ports.%s: with decode.tensorParallelSize %d the last rank's port would be %d, above 65535" $name (int $v.decode.tensorParallelSize) (int $last)) -}}
-{{- end -}}
 {{- end -}}
 
 {{- /* Where the chart can see it: resource requests above limits, malformed quantities. */ -}}
@@ -323,5 +296,44 @@ accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- end -}}
 {{- if and $v.router.auth.protectMetrics $v.metrics.serviceMonitor.enabled (not $v.router.auth.metricsTokenSecret.name) -}}
 {{- fail "router.auth.metricsTokenSecret.name: the router's /metrics is protected (router.auth.protectMetrics) and metrics.serviceMonitor.enabled, so Prometheus needs a credential: name a Secret whose key router.auth.metricsTokenSecret.key holds a metrics-only token" -}}
+{{- end -}}
+{{- end -}}
+
+
+{{/*
+Ports (templates/_ports.tpl): a per-rank port past 65535, or two ports of one pod on the same
+number. Checked for both connectors, the metrics proxy included, so that switching either later
+cannot collide.
+*/}}
+{{- define "pd-inference.validate.ports" -}}
+{{- $v := .Values -}}
+{{- $current := $v.kvTransfer.connector -}}
+{{- range $connector := list $current (ternary "nixl" "lmcache" (eq $current "lmcache")) -}}
+{{- $mode := ternary "" (printf " with kvTransfer.connector %s" $connector) (eq $connector $current) -}}
+{{- range $component := list "prefill" "decode" "router" -}}
+{{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true) | fromJsonArray -}}
+{{- $last := dict -}}
+{{- range $p := $ports -}}
+{{- if hasKey $p "rank" -}}
+{{- $_ := set $last $p.field (int $p.port) -}}
+{{- end -}}
+{{- end -}}
+{{- range $p := $ports -}}
+{{- if gt (int $p.port) 65535 -}}
+{{- fail (printf "%s: with %s.tensorParallelSize %d the last rank's port would be %d, above 65535" $p.field $component (int (get $v $component).tensorParallelSize) (int (get $last $p.field))) -}}
+{{- end -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $p := $ports -}}
+{{- if not (hasKey $p "endPort") -}}
+{{- $rank := ternary (printf " (TP rank %d)" (int $p.rank)) "" (hasKey $p "rank") -}}
+{{- $what := printf "%s%s" $p.field $rank -}}
+{{- with get $seen (toString (int $p.port)) -}}
+{{- fail (printf "%s and %s: both are port %d in the %s pods%s; each needs a port of its own" . $what (int $p.port) $component $mode) -}}
+{{- end -}}
+{{- $_ := set $seen (toString (int $p.port)) $what -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

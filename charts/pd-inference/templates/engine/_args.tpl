@@ -10,7 +10,7 @@ them (a repeated flag or variable would silently override the chart's own). Call
 {{- $r := get $v .role -}}
 - {{ $v.model.name | quote }}
 - --host=0.0.0.0
-- --port={{ $v.ports.engineHttp }}
+- --port={{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "http") }}
 - --served-model-name={{ $v.model.servedName }}
 {{- with $v.model.revision }}
 - --revision={{ . }}
@@ -59,7 +59,7 @@ them (a repeated flag or variable would silently override the chart's own). Call
 - name: VLLM_NIXL_SIDE_CHANNEL_HOST
   value: $(POD_IP)
 - name: VLLM_NIXL_SIDE_CHANNEL_PORT
-  value: {{ $v.ports.nixlSideChannel | quote }}
+  value: {{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "nixl-side") | quote }}
 # NixlConnector moves a hybrid model's Mamba/Gated-DeltaNet conv state only in the
 # (dim, state_len) layout; without this vLLM 0.31/0.33 assert at start-up
 # (kv_connector/v1/nixl/base_worker.py: "Set VLLM_SSM_CONV_STATE_LAYOUT=DS"). Set on every

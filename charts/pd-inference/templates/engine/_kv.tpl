@@ -52,13 +52,15 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
 {{- $_ := set $cfg "pd_role" "sender" -}}
 {{- /* The sidecar listens inside the prefill pod; otherwise the (single) router's Service. */ -}}
 {{- $_ := set $cfg "pd_proxy_host" (ternary "127.0.0.1" (include "pd-inference.serviceFqdn" (dict "ctx" .ctx "component" "router")) (eq (include "pd-inference.notificationSidecar" .ctx) "true")) -}}
-{{- $_ := set $cfg "pd_proxy_port" (int $v.ports.proxyNotification) -}}
+{{- $notify := ternary (dict "component" "prefill" "name" "notify-zmq") (dict "component" "router" "name" "pd-notify") (eq $lm.notificationReceiver "prefillSidecar") -}}
+{{- $_ := set $cfg "pd_proxy_port" (include "pd-inference.port" (merge (dict "ctx" .ctx "connector" "lmcache") $notify) | int) -}}
 {{- else -}}
 {{- $_ := set $cfg "pd_role" "receiver" -}}
 {{- /* Bind on every interface; the router tells the sender this pod's IP in disagg_spec.receiver_host. */ -}}
 {{- $_ := set $cfg "pd_peer_host" "0.0.0.0" -}}
-{{- $_ := set $cfg "pd_peer_init_port" (include "pd-inference.lmcacheInitPorts" .ctx | fromJsonArray) -}}
-{{- $_ := set $cfg "pd_peer_alloc_port" (include "pd-inference.lmcacheAllocPorts" .ctx | fromJsonArray) -}}
+{{- $receiverPorts := dict "ctx" .ctx "component" "decode" "connector" "lmcache" -}}
+{{- $_ := set $cfg "pd_peer_init_port" (include "pd-inference.portNumbers" (merge (dict "field" "ports.lmcacheInitBase") $receiverPorts) | fromJsonArray) -}}
+{{- $_ := set $cfg "pd_peer_alloc_port" (include "pd-inference.portNumbers" (merge (dict "field" "ports.lmcacheAllocBase") $receiverPorts) | fromJsonArray) -}}
 {{- end -}}
 {{- /* extraConfig keys were checked against LMCache's key list by the schema; chart-owned keys are refused in _validate.tpl. */ -}}
 {{- $merged := merge (deepCopy $lm.extraConfig) $cfg -}}

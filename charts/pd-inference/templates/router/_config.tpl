@@ -5,9 +5,18 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
 {{- define "pd-inference.routerConfig" -}}
 {{- $v := .Values -}}
 {{- $r := $v.router -}}
-{{- $pool := dict "ctx" . -}}
+{{- /* Ports from templates/_ports.tpl; the lmcache block names the LMCache mode's ports whatever the connector. */ -}}
+{{- $port := dict
+  "listen" (include "pd-inference.port" (dict "ctx" . "component" "router" "name" "http") | int)
+  "prefill" (include "pd-inference.port" (dict "ctx" . "component" "prefill" "name" "http") | int)
+  "decode" (include "pd-inference.port" (dict "ctx" . "component" "decode" "name" "http") | int)
+  "notify" (include "pd-inference.port" (dict "ctx" . "component" "router" "name" "pd-notify" "connector" "lmcache" "receiver" "router") | int)
+  "sidecar" (include "pd-inference.port" (dict "ctx" . "component" "prefill" "name" "notify-sidecar" "connector" "lmcache" "receiver" "prefillSidecar") | int)
+  "init" (include "pd-inference.portNumbers" (dict "ctx" . "component" "decode" "field" "ports.lmcacheInitBase" "connector" "lmcache") | fromJsonArray)
+  "alloc" (include "pd-inference.portNumbers" (dict "ctx" . "component" "decode" "field" "ports.lmcacheAllocBase" "connector" "lmcache") | fromJsonArray)
+-}}
 {{- $cfg := dict
-  "listen" (dict "host" "0.0.0.0" "port" (int $v.ports.routerHttp))
+  "listen" (dict "host" "0.0.0.0" "port" $port.listen)
   "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer "tokenizerHub" (dict
     "repo" (ternary $v.model.name "" $v.model.routerTokenizerFromHub)
     "revision" ($v.model.revision | default "main")
@@ -16,17 +25,17 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
     "timeoutSeconds" (include "pd-inference.routerTokenizerFetchSeconds" . | int)))
   "routing" (dict "connector" $v.kvTransfer.connector "threshold" (int $r.threshold) "sessionAffinityHeader" $r.sessionAffinityHeader)
   "pools" (dict
-    "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" (int $v.ports.engineHttp) "refreshSeconds" (int $r.discoveryRefreshSeconds)))
-    "decode" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "decode")) "port" (int $v.ports.engineHttp) "refreshSeconds" (int $r.discoveryRefreshSeconds))))
+    "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" $port.prefill "refreshSeconds" (int $r.discoveryRefreshSeconds)))
+    "decode" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "decode")) "port" $port.decode "refreshSeconds" (int $r.discoveryRefreshSeconds))))
   "lmcache" (dict
     "notifyBindHost" "0.0.0.0"
-    "notifyPort" (int $v.ports.proxyNotification)
+    "notifyPort" $port.notify
     "notificationsPerRequest" (int $v.prefill.tensorParallelSize)
-    "decoderInitPorts" (include "pd-inference.lmcacheInitPorts" . | fromJsonArray)
-    "decoderAllocPorts" (include "pd-inference.lmcacheAllocPorts" . | fromJsonArray)
+    "decoderInitPorts" $port.init
+    "decoderAllocPorts" $port.alloc
     "notifyTimeoutSeconds" (int $v.kvTransfer.lmcache.notifyTimeoutSeconds)
     "notificationReceiver" $v.kvTransfer.lmcache.notificationReceiver
-    "sidecarPort" (int $v.ports.notificationSidecar))
+    "sidecarPort" $port.sidecar)
   "timeouts" (dict "clientBodySeconds" (int $r.timeouts.clientBodySeconds) "connectSeconds" (int $r.timeouts.connectSeconds) "prefillSeconds" (int $r.timeouts.prefillSeconds) "firstByteSeconds" (int $r.timeouts.firstByteSeconds) "streamIdleSeconds" (int $r.timeouts.streamIdleSeconds) "clientHeaderSeconds" (int $r.timeouts.clientHeaderSeconds) "clientIdleSeconds" (int $r.timeouts.clientIdleSeconds))
   "health" (dict "path" "/health" "intervalSeconds" (int $r.health.intervalSeconds) "timeoutSeconds" (int $r.health.timeoutSeconds) "healthyThreshold" (int $r.health.healthyThreshold) "unhealthyThreshold" (int $r.health.unhealthyThreshold) "passiveFailureThreshold" (int $r.health.passiveFailureThreshold))
   "limits" (dict "maxInFlight" (int $r.limits.maxInFlight) "maxQueued" (int $r.limits.maxQueued) "queueTimeoutSeconds" (int $r.limits.queueTimeoutSeconds) "maxBodyBytes" (int64 $r.limits.maxBodyBytes))

@@ -1,0 +1,167 @@
+{{/*
+The computed fragments of an engine pod (argo-cd's `argo-cd.affinity` style): what the chart adds
+to the user's values. templates/engine/statefulset.yaml keeps only the pod's shape. Each takes
+(dict "ctx" $ "role" "prefill").
+*/}}
+
+{{/* A checksum of what the engine reads at start (KV hand-off config, LMCache config, preflight), so a change rolls the pods. */}}
+{{- define "pd-inference.engine.configChecksum" -}}
+{{- $v := .ctx.Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- printf "%s\n%s\n%s" (include "pd-inference.kvTransferConfig" .) (ternary (include "pd-inference.lmcacheConfig" .) "" $lmcache) (ternary (.ctx.Files.Get "files/preflight.py") "" $v.engine.preflight.enabled) | sha256sum -}}
+{{- end -}}
+
+{{/* The engine container's image. */}}
+{{- define "pd-inference.engine.image" -}}
+{{- include "pd-inference.image" (dict "image" .ctx.Values.engine.image "default" .ctx.Values.engine.image.tag) -}}
+{{- end -}}
+
+{{/* The engine container's environment: the chart's (pd-inference.engineEnv), then engine.env, then <role>.env. */}}
+{{- define "pd-inference.engine.env" -}}
+{{- $v := .ctx.Values -}}
+{{- include "pd-inference.engineEnv" . }}
+{{- with $v.engine.env }}
+{{ toYaml . }}
+{{- end }}
+{{- with (get $v .role).env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Resources: <role>.resources plus what the chart owns (_validate.tpl refuses them in the values):
+one nvidia.com/gpu per tensor-parallel rank, and with EFA the devices and the huge pages.
+*/}}
+{{- define "pd-inference.engine.resources" -}}
+{{- $v := .ctx.Values -}}
+{{- $r := get $v .role -}}
+{{- $tp := int $r.tensorParallelSize -}}
+{{- $res := deepCopy ($r.resources | default dict) -}}
+{{- $req := get $res "requests" | default dict -}}
+{{- $lim := get $res "limits" | default dict -}}
+{{- $_ := set $req "nvidia.com/gpu" $tp -}}
+{{- $_ := set $lim "nvidia.com/gpu" $tp -}}
+{{- if $v.efa.enabled -}}
+{{- $_ := set $req "vpc.amazonaws.com/efa" (int $v.efa.devices) -}}
+{{- $_ := set $lim "vpc.amazonaws.com/efa" (int $v.efa.devices) -}}
+{{- $_ := set $req "hugepages-2Mi" $v.efa.hugepages2Mi -}}
+{{- $_ := set $lim "hugepages-2Mi" $v.efa.hugepages2Mi -}}
+{{- end -}}
+requests:
+  {{- toYaml $req | nindent 2 }}
+limits:
+  {{- toYaml $lim | nindent 2 }}
+{{- end -}}
+
+{{/* Node selector: <role>.nodeSelector plus the instance type and the pinned zone. Empty when none. */}}
+{{- define "pd-inference.engine.nodeSelector" -}}
+{{- $v := .ctx.Values -}}
+{{- $r := get $v .role -}}
+{{- $nodeSelector := deepCopy ($r.nodeSelector | default dict) -}}
+{{- if $r.instanceType -}}
+{{- $_ := set $nodeSelector "node.kubernetes.io/instance-type" $r.instanceType -}}
+{{- end -}}
+{{- if $v.placement.zone -}}
+{{- $_ := set $nodeSelector "topology.kubernetes.io/zone" $v.placement.zone -}}
+{{- end -}}
+{{- with $nodeSelector -}}
+{{- toYaml . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Affinity: <role>.affinity plus, with placement.sameZone (and no pinned zone), a required pod
+affinity to the prefillers' zone. Prefillers follow each other (a required self-affinity lets the
+first one land anywhere), decoders follow the prefillers. Mutual required affinity between the
+roles would deadlock: neither could be scheduled first. Empty when none.
+*/}}
+{{- define "pd-inference.engine.affinity" -}}
+{{- $v := .ctx.Values -}}
+{{- $affinity := deepCopy ((get $v .role).affinity | default dict) -}}
+{{- if and $v.placement.sameZone (not $v.placement.zone) -}}
+{{- $podAffinity := get $affinity "podAffinity" | default dict -}}
+{{- $terms := get $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default list -}}
+{{- $prefillSelector := include "pd-inference.selectorLabels" (dict "ctx" .ctx "component" "prefill") | fromYaml -}}
+{{- $terms = append $terms (dict "topologyKey" "topology.kubernetes.io/zone" "labelSelector" (dict "matchLabels" $prefillSelector)) -}}
+{{- $_ := set $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" $terms -}}
+{{- $_ := set $affinity "podAffinity" $podAffinity -}}
+{{- end -}}
+{{- with $affinity -}}
+{{- toYaml . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The engine container's volume mounts, the chart's then engine.extraVolumeMounts. */}}
+{{- define "pd-inference.engine.volumeMounts" -}}
+{{- $v := .ctx.Values -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: model-cache
+  mountPath: {{ $v.modelCache.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- if eq $v.kvTransfer.connector "lmcache" }}
+- name: lmcache-config
+  mountPath: /etc/lmcache
+  readOnly: true
+{{- end }}
+{{- if $v.engine.preflight.enabled }}
+- name: preflight
+  mountPath: {{ include "pd-inference.preflightDir" .ctx }}
+  readOnly: true
+{{- end }}
+{{- if $v.model.hfTokenSecret.name }}
+- name: hf-token
+  mountPath: {{ include "pd-inference.hfTokenDir" .ctx }}
+  readOnly: true
+{{- end }}
+{{- with $v.engine.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The engine pod's volumes (the model cache of `modelCache.type: pvc` is a claim template instead), then engine.extraVolumes. */}}
+{{- define "pd-inference.engine.volumes" -}}
+{{- $v := .ctx.Values -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ (get $v .role).shmSize }}
+- name: tmp
+  emptyDir:
+    sizeLimit: 20Gi
+{{- if eq $v.modelCache.type "hostPath" }}
+- name: model-cache
+  hostPath:
+    path: {{ $v.modelCache.hostPath.path }}
+    type: {{ $v.modelCache.hostPath.type }}
+{{- else if eq $v.modelCache.type "emptyDir" }}
+- name: model-cache
+  emptyDir:
+    {{- with $v.modelCache.emptyDir.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+{{- if eq $v.kvTransfer.connector "lmcache" }}
+- name: lmcache-config
+  configMap:
+    name: {{ include "pd-inference.componentName" (dict "ctx" .ctx "component" .role) }}-lmcache
+{{- end }}
+{{- if $v.engine.preflight.enabled }}
+- name: preflight
+  configMap:
+    name: {{ include "pd-inference.componentName" (dict "ctx" .ctx "component" "engine") }}-preflight
+{{- end }}
+{{- if $v.model.hfTokenSecret.name }}
+- name: hf-token
+  secret:
+    secretName: {{ $v.model.hfTokenSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ $v.model.hfTokenSecret.key }}
+        path: {{ include "pd-inference.hfTokenFileName" .ctx }}
+{{- end }}
+{{- with $v.engine.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
