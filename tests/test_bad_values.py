@@ -324,6 +324,7 @@ BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("kvTransfer.lmcache.bufferSize", "2684354560"),
     ),
     "two_routers_with_lmcache": ("router:\n  replicas: 2\n", ("router.replicas", "prefillSidecar")),
+    "two_router_workers_with_lmcache": ("router:\n  workers: 2\n", ("router.workers", "prefillSidecar")),
     "router_hpa_with_lmcache": ("router:\n  autoscaling:\n    enabled: true\n", ("router.autoscaling.enabled",)),
     "unequal_tp_with_lmcache": (
         "prefill:\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 4\n",

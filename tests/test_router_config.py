@@ -42,6 +42,24 @@ def test_rendered_config_carries_the_chosen_values(h4: Path, tmp_path: Path) -> 
     assert config.routing.session_affinity_header == "x-session-id"
 
 
+@pytest.mark.parametrize(
+    ("files", "sets", "workers"),
+    [
+        ((), (), 1),  # the default: requests.cpu 1
+        ((), ("router.resources.requests.cpu=2500m",), 3),  # rounded up
+        ((), ("router.resources.requests.cpu=1", "router.resources.limits.cpu=4"), 4),  # the limit wins
+        ((), ("router.workers=5",), 5),
+        ((LMCACHE,), ("router.resources.requests.cpu=4",), 1),  # the router binds the notification socket
+        ((LMCACHE,), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar", "router.resources.requests.cpu=2"), 2),
+    ],
+)
+def test_router_workers_follow_the_cpu_the_pod_gets(
+    h4: Path, tmp_path: Path, files: tuple[str, ...], sets: tuple[str, ...], workers: int
+) -> None:
+    config = load_config(_write_router_config(h4, files, tmp_path, sets), env={})
+    assert config.listen.workers == workers
+
+
 def test_tokenizer_from_the_hub_is_what_the_engines_serve(h4: Path, tmp_path: Path) -> None:
     sets = (
         "model.name=org/model",

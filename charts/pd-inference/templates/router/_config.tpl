@@ -16,7 +16,7 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
   "alloc" (include "pd-inference.portNumbers" (dict "ctx" . "component" "decode" "field" "ports.lmcacheAllocBase" "connector" "lmcache") | fromJsonArray)
 -}}
 {{- $cfg := dict
-  "listen" (dict "host" "0.0.0.0" "port" $port.listen)
+  "listen" (dict "host" "0.0.0.0" "port" $port.listen "workers" (include "pd-inference.routerWorkers" . | int))
   "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer "tokenizerHub" (dict
     "repo" (ternary $v.model.name "" $v.model.routerTokenizerFromHub)
     "revision" ($v.model.revision | default "main")
@@ -43,6 +43,28 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
   "logging" (dict "level" $r.logLevel "logPrompts" $r.logPrompts)
 -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/*
+Router worker processes: router.workers, or (0) the CPU the pod gets (limits.cpu, else
+requests.cpu) rounded up; 1 when the router binds the LMCache notification socket itself.
+*/}}
+{{- define "pd-inference.routerWorkers" -}}
+{{- $r := .Values.router -}}
+{{- $n := int $r.workers -}}
+{{- if eq (include "pd-inference.routerReceivesNotifications" .) "true" -}}
+{{- $n = 1 -}}
+{{- else if eq $n 0 -}}
+{{- $res := $r.resources | default dict -}}
+{{- $cpu := dig "limits" "cpu" (dig "requests" "cpu" "1" $res) $res | toString -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $n = int (ceil (divf (trimSuffix "m" $cpu | float64) 1000)) -}}
+{{- else -}}
+{{- $n = int (ceil ($cpu | float64)) -}}
+{{- end -}}
+{{- $n = max 1 (min 64 $n) -}}
+{{- end -}}
+{{- $n -}}
 {{- end -}}
 
 {{- define "pd-inference.routerKeysDir" -}}/etc/pd-router/api-keys{{- end -}}
