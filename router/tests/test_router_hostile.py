@@ -1299,7 +1299,7 @@ REQUEST_LINES: dict[bytes, tuple[int, bool]] = {
     b"POST /v1/../v1/chat/completions HTTP/1.1": (404, True),  # not normalized
     b"GET /%ff HTTP/1.1": (404, True),
     b"GET /%c0%af HTTP/1.1": (404, True),
-    b"PUT /v1/chat/completions HTTP/1.1": (404, True),
+    b"PUT /v1/chat/completions HTTP/1.1": (405, True),  # a known path: 405 with Allow
     b"TRACE / HTTP/1.1": (404, True),
     b"OPTIONS * HTTP/1.1": (404, False),  # aiohttp's own 404: no route can match "*"
     b"CONNECT x:1 HTTP/1.1": (404, False),

@@ -389,6 +389,7 @@ def test_disaggregated_stream_is_forwarded_as_it_arrives(lm: tuple[LMCacheStack,
             extra_body={"ignore_eos": True},
         )
         it = iter(stream)
+        assert next(it).choices[0].delta.role == "assistant"  # vLLM's role-only first chunk
         got = [next(it), next(it)]  # the prefiller's first token, then the decoder's first
         assert all(c.choices[0].delta.content for c in got)
     finally:
@@ -426,6 +427,8 @@ def test_client_disconnect_during_the_decode_leg_aborts_it(lm: tuple[LMCacheStac
         )
         resp = conn.getresponse()
         assert resp.status == 200 and resp.headers["x-pd-route"] == "disaggregated"
+        assert resp.readline().startswith(b"data: ")  # the role chunk
+        assert resp.readline() == b"\n"
         assert resp.readline().startswith(b"data: ")  # the prefiller's first token
         assert resp.readline() == b"\n"
         assert resp.readline().startswith(b"data: ")  # the decode leg is streaming
@@ -537,7 +540,8 @@ def test_decoder_error_after_the_first_token_keeps_its_message(
     finally:
         for d, h in zip(s.decoders, HOSTS, strict=True):
             set_fault(d, "none", host=h)
-    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"]  # the first token
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert json.loads(events[1][6:])["choices"][0]["delta"]["content"]  # the first token
     err = json.loads(events[-1][6:])["error"]
     assert err["code"] == 400
     assert err["message"] == "decoder answered 400: simulated bad request"

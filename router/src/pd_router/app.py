@@ -1,8 +1,10 @@
 """HTTP surface of the router (aiohttp server on uvloop): routes, request id, auth, body read,
 admission, validation, then the routing decision hands the request to its route.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (alive), ``GET /ready`` (a healthy decoder exists), ``GET /metrics``.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` and
+``GET /v1/models/{id}`` (the engines' cards), vLLM's other endpoints relayed to a decoder
+(``openai_wire.PASSTHROUGH_PATHS``), ``GET /health`` (alive), ``GET /ready`` (a healthy decoder
+exists), ``GET /metrics``; a known path asked with another method is 405 with ``Allow``.
 
 A request's walk: ``app`` (admit -> read -> parse/validate) -> ``decide`` -> ``handoff.<route>``
 -> ``legs`` -> ``upstream``; each module entered once, downward.
@@ -31,14 +33,20 @@ from pd_router.auth import ApiKeys
 from pd_router.config import RouterConfig
 from pd_router.decide import Decider
 from pd_router.discovery import EndpointPool
-from pd_router.failures import TokenizeError
+from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route
+from pd_router.handoff.lmcache import LMCacheRoute
 from pd_router.handoff.lmcache_notify import KvWaiter, build_waiter
 from pd_router.legs import Downstream, Legs
 from pd_router.metrics import MULTIPROC_ENV, Metrics
 from pd_router.openai_wire import (
     MAX_JSON_DEPTH,
+    PASSTHROUGH_PATHS,
+    batch_reason,
     error_body,
+    model_card,
+    model_not_found,
+    served_cards,
     strip_handoff_fields,
     too_deep,
     validate,
@@ -49,6 +57,11 @@ from pd_router.upstream import UpstreamClient
 
 log = logging.getLogger("pd_router")
 _RID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: "$" would admit a trailing newline
+_CTYPE_RE = re.compile(r"[\x21-\x7e][\x20-\x7e]{0,255}")  # a Content-Type relayed to an engine
+# How long an engine's /v1/models answer is reused, and how soon one is asked again after no
+# engine answered (a router asked before its first health checks passed recovers quickly).
+MODELS_TTL_SECONDS = 10.0
+MODELS_RETRY_SECONDS = 1.0
 
 
 def error_response(status: int, message: str, etype: str, headers: Any = None) -> web.Response:
@@ -95,10 +108,17 @@ class Router:
             self.waiter = build_waiter(cfg.lmcache, self.up, m)
         self.direct = DirectRoute(self.legs)
         self.disaggregated: Route = build_route(cfg, self.legs, self.direct, self.waiter)
+        if isinstance(self.disaggregated, LMCacheRoute):
+            self.disaggregated.reasoning = bool(cfg.model.reasoning_parser)
         self.affinity_header = cfg.routing.session_affinity_header or None
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
         self._bg: list[asyncio.Task[None]] = []
+        # /v1/models: the engines' cards of the served model, asked at most once a TTL
+        self._cards: list[dict[str, Any]] = []  # the last good answer
+        self._cards_ok = False  # whether the last ask got one
+        self._cards_at = -MODELS_TTL_SECONDS  # monotonic time of the last ask
+        self._cards_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     async def _load_hub_tokenizer(self) -> None:
@@ -205,17 +225,95 @@ class Router:
         )
 
     async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: vLLM's ``ModelList`` with the engines' card of the served
+        model (openai/models/api_router.py, 0.31.0: ``ModelCard`` with ``created``,
+        ``max_model_len``, ``root``, ``permission``, ...)."""
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
-        data = {
-            "object": "list",
-            "data": [
-                {"id": self.served, "object": "model", "created": 0, "owned_by": "pd-inference"}
-            ],
-        }
-        return web.Response(body=orjson.dumps(data), content_type="application/json")
+        cards, source = await self._model_cards()
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": cards}),
+            content_type="application/json",
+            headers={"x-pd-models-source": source},
+        )
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``, as OpenAI answers it: the card; an unknown id gets
+        vLLM's model-not-found 404 (vLLM 0.31.0 and 0.33.0 have no such route)."""
+        if not self._authorized(request):
+            return error_response(401, "invalid or missing API key", "authentication_error")
+        name = request.match_info["model_id"]
+        if name != self.served:
+            return web.Response(
+                status=404, body=model_not_found(name), content_type="application/json"
+            )
+        cards, source = await self._model_cards()
+        return web.Response(
+            body=orjson.dumps(cards[0]),
+            content_type="application/json",
+            headers={"x-pd-models-source": source},
+        )
+
+    async def _model_cards(self) -> tuple[list[dict[str, Any]], str]:
+        """The served model's cards and where they come from: ``engine`` (an engine's answer
+        of the last MODELS_TTL_SECONDS), ``stale`` (no engine answers now: the last answer
+        one gave), ``router`` (no engine ever answered: the router's own card, with the
+        context length learnt from /tokenize when known). Engines are asked again
+        MODELS_RETRY_SECONDS after an ask that got no card."""
+        if time.monotonic() - self._cards_at >= self._cards_ttl():
+            async with self._cards_lock:  # one ask at a time; the others reuse its answer
+                if time.monotonic() - self._cards_at >= self._cards_ttl():
+                    cards = await self._ask_cards()
+                    self._cards_at = time.monotonic()
+                    self._cards_ok = bool(cards)
+                    if cards:
+                        self._cards = cards
+        if self._cards_ok:
+            return self._cards, "engine"
+        if self._cards:
+            return self._cards, "stale"
+        return [model_card(self.served, self.legs.max_model_len, int(time.time()))], "router"
+
+    def _cards_ttl(self) -> float:
+        return MODELS_TTL_SECONDS if self._cards_ok else MODELS_RETRY_SECONDS
+
+    async def _ask_cards(self) -> list[dict[str, Any]]:
+        """``GET /v1/models`` of up to two healthy engines (decoders first), each within
+        ``health.timeoutSeconds``; [] when none answers with a card of the served model."""
+        t = self.cfg.health.timeout_seconds
+        for ep in [*self.decode.healthy, *self.prefill.healthy][:2]:
+            try:
+                async with asyncio.timeout(t):
+                    r = await self.up.get(ep.host, ep.port, ep.tls, "/v1/models", b"", t, t)
+                    raw = await r.read_release()
+                cards = served_cards(orjson.loads(raw), self.served) if r.status == 200 else []
+            except (*UPSTREAM_ERRORS, orjson.JSONDecodeError) as exc:
+                log.warning("GET %s/v1/models failed: %r", ep.base, exc)
+                continue
+            if cards:
+                return cards
+            log.warning(
+                "GET %s/v1/models (%d) lists no model %r (model.servedName)",
+                ep.base,
+                r.status,
+                self.served,
+            )
+        return []
 
     async def not_found(self, request: web.Request) -> web.Response:
+        """No route: 405 with ``Allow`` when the path has one under another method (what
+        vLLM's FastAPI answers, there as ``{"detail": "Method Not Allowed"}``), else 404."""
+        allowed: set[str] = set()
+        this = request.match_info.route.resource  # the catch-all
+        for resource in request.app.router.resources():
+            if resource is not this:
+                match, methods = await resource.resolve(request)
+                if match is None:
+                    allowed |= methods
+        if allowed:
+            allow = ", ".join(sorted(allowed))
+            msg = f"Method {request.method} is not allowed for {request.path} (allowed: {allow})"
+            return error_response(405, msg, "Method Not Allowed", {"Allow": allow})
         return error_response(404, f"no route for {request.path}", "not_found_error")
 
     # ------------------------------------------------------------------ OpenAI requests
@@ -225,14 +323,20 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, False)
 
-    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """One of vLLM's other endpoints (``PASSTHROUGH_PATHS``): to a decoder as it is."""
+        return await self._handle(request, False, passthrough=True)
+
+    async def _handle(
+        self, request: web.Request, chat: bool, passthrough: bool = False
+    ) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id")
         if not rid or not _RID_RE.fullmatch(rid):
             rid = uuid.uuid4().hex
         ctx = Ctx(rid, chat, request.path)
         status = 0
         try:
-            resp = await self._admit(request, ctx)
+            resp = await self._admit(request, ctx, passthrough)
             status = resp.status
             if not resp.prepared:  # the router's own answers (errors) carry the id too
                 resp.headers.setdefault("X-Request-Id", rid)
@@ -254,7 +358,9 @@ class Router:
                     },
                 )
 
-    async def _admit(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+    async def _admit(
+        self, request: web.Request, ctx: Ctx, passthrough: bool = False
+    ) -> web.StreamResponse:
         """auth -> body -> a slot -> serve. The body is read before a slot is taken, under its
         own deadline: a client that stalls half-way through sending it must not hold one of
         maxInFlight."""
@@ -271,10 +377,16 @@ class Router:
             out.count("none", "rejected")
             return error_response(r.status, r.message, r.etype, {"Retry-After": r.retry_after})
         try:
-            bad = self._parse(request, ctx, raw)
+            if passthrough:
+                bad = self._parse_passthrough(request, ctx, raw)
+            else:
+                bad = self._parse(request, ctx, raw)
             if bad is not None:
                 out.count("none", "bad_request")
                 return bad
+            if passthrough:
+                self.metrics.passthrough.labels(ctx.path).inc()
+                return await self.direct.passthrough(ctx, Downstream(request))
             return await self._route(request, ctx)
         finally:
             self.admission.release()
@@ -319,7 +431,9 @@ class Router:
             return error_response(400, err, "invalid_request_error")
         model = body.get("model")
         if model is not None and model != self.served:
-            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError")
+            return web.Response(
+                status=404, body=model_not_found(model), content_type="application/json"
+            )
         if strip_handoff_fields(body):
             raw = orjson.dumps(body)
         ctx.raw = raw
@@ -331,12 +445,43 @@ class Router:
             log.info("prompt", extra={"request_id": ctx.rid, "body": body})
         return None
 
+    def _parse_passthrough(self, request: web.Request, ctx: Ctx, raw: bytes) -> web.Response | None:
+        """A body for one of vLLM's other endpoints goes to the engine as the client sent it,
+        under the client's Content-Type (multipart for audio). A JSON body must parse, and
+        hand-off fields are stripped from it (vLLM's Responses, Anthropic, Cohere and
+        token-in/token-out requests take ``kv_transfer_params`` too: 0.31.0 protocol.py files);
+        only then is it re-serialized. The engine validates the rest."""
+        ctype = request.headers.get("Content-Type", "")
+        if ctype and not _CTYPE_RE.fullmatch(ctype):
+            return error_response(400, "unreadable Content-Type header", "invalid_request_error")
+        ctx.headers = b"X-Request-Id: %s\r\n" % ctx.rid.encode()
+        if ctype:
+            ctx.headers = b"Content-Type: %s\r\n" % ctype.encode() + ctx.headers
+        ctx.raw = raw
+        if ctype.split(";", 1)[0].strip().lower() != "application/json" or not raw:
+            return None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"malformed JSON: {exc}", "invalid_request_error")
+        if isinstance(body, dict | list) and too_deep(raw, body):
+            msg = f"request JSON nests deeper than {MAX_JSON_DEPTH} levels (the router's limit)"
+            return error_response(400, msg, "invalid_request_error")
+        if isinstance(body, dict):
+            if strip_handoff_fields(body):
+                ctx.raw = orjson.dumps(body)
+            ctx.body = body
+            ctx.stream = body.get("stream") is True
+        return None
+
     async def _route(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
         """decide -> the chosen route."""
         d = await self.decider.decide(
             ctx.body, ctx.chat, functools.partial(self._engine_count, ctx)
         )
         self.outcomes.counted(d.source, d.tokens)
+        if d.source == "skipped" and not d.disaggregate:  # several sequences: decide.py
+            self.outcomes.batch(batch_reason(ctx.body, ctx.chat) or "n")
         if d.exact:
             ctx.ntok = d.tokens or 0
         ctx.ids = d.ids
@@ -364,8 +509,11 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
     app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/v1/models/{model_id:.+}", router.model)  # ids may hold a "/"
     app.router.add_post("/v1/chat/completions", router.chat)
     app.router.add_post("/v1/completions", router.completions)
+    for path in PASSTHROUGH_PATHS:
+        app.router.add_post(path, router.passthrough)
     app.router.add_route("*", "/{tail:.*}", router.not_found)
 
     async def on_startup(_: web.Application) -> None:

@@ -64,6 +64,9 @@ class Model:
     served_name: str = "llama-3.3-70b"
     tokenizer: str = ""
     tokenizer_hub: TokenizerHub = field(default_factory=TokenizerHub)
+    # the engines' --reasoning-parser ("" = none): the LMCache route then serves chat requests
+    # directly (their answers split reasoning from content, which its decode leg cannot)
+    reasoning_parser: str = ""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pd_router.openai_wire import PASSTHROUGH_PATHS
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -33,8 +35,11 @@ ROUTES_OUTCOMES = (
 FALLBACK_REASONS = (
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
+    "reasoning_parser",
 )  # fmt: skip
 REJECT_REASONS = ("queue_full", "queue_timeout")
+# pd_router_batch_requests_total{reason}: openai_wire.batch_reason (n > 1, several prompts)
+BATCH_REASONS = ("n", "prompts")
 SIDECAR_OUTCOMES = ("ok", "timeout", "error")
 
 
@@ -155,6 +160,20 @@ class Metrics:
         self.client_disconnects = Counter(
             "pd_router_client_disconnects", "Clients that went away mid-request", registry=r
         )
+        self.batch_requests = Counter(
+            "pd_router_batch_requests",
+            "Requests for several completions, served directly whatever their prompt length "
+            "(n: n > 1; prompts: several prompts): a hand-off carries one sequence",
+            ["reason"],
+            registry=r,
+        )
+        self.passthrough = Counter(
+            "pd_router_passthrough_requests",
+            "Requests to vLLM's other endpoints (/v1/responses, /tokenize, ...), relayed to a "
+            "decoder as they are",
+            ["endpoint"],
+            registry=r,
+        )
 
         for route, outcome in ROUTES_OUTCOMES:
             self.requests.labels(route, outcome)
@@ -162,6 +181,10 @@ class Metrics:
             self.fallbacks.labels(reason)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
+        for reason in BATCH_REASONS:
+            self.batch_requests.labels(reason)
+        for path in PASSTHROUGH_PATHS:
+            self.passthrough.labels(path)
 
     def preset_lmcache(self, receiver: str) -> None:
         """The LMCache hand-off's counters, for the notification receiver in use."""

@@ -3,11 +3,15 @@ it, the error body, and the answers and stream chunks the router builds itself (
 route, whose decode leg is a ``/v1/completions`` request). No I/O.
 
 Shapes checked against vLLM v0.11 ``vllm/entrypoints/openai/protocol.py`` (error body
-``{"error": {message, type, param, code}}``, ``TokenizeChatRequest`` fields).
+``{"error": {message, type, param, code}}``, ``TokenizeChatRequest`` fields); the answers the
+LMCache route builds, the model cards and the endpoint list against vLLM 0.31.0 (paths
+relative to its ``vllm/`` package, named where used; 0.33.0 checked where it says so).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import orjson
@@ -115,20 +119,107 @@ def strip_handoff_fields(body: dict[str, Any]) -> bool:
     return changed
 
 
-def is_batch(body: dict[str, Any], chat: bool) -> bool:
-    """Several completions in one request: ``n > 1``, or a ``prompt`` that is a list of
-    strings or of token lists with more than one entry (not one token list)."""
+def batch_reason(body: dict[str, Any], chat: bool) -> str | None:
+    """Why a request holds several completions, or None: ``"n"`` (``n > 1``) or
+    ``"prompts"`` (a ``prompt`` that is a list of strings or of token lists with more than
+    one entry; one token list is one prompt). The hand-offs carry one sequence, so these
+    are served directly (``pd_router_batch_requests_total{reason}``)."""
     n = body.get("n")
     if n is not None and n != 1:
-        return True
+        return "n"
     p = body.get("prompt")
-    return not chat and isinstance(p, list) and len(p) > 1 and not all(type(t) is int for t in p)
+    if not chat and isinstance(p, list) and len(p) > 1 and not all(type(t) is int for t in p):
+        return "prompts"
+    return None
 
 
-def error_body(status: int, message: str, etype: str) -> bytes:
+def is_batch(body: dict[str, Any], chat: bool) -> bool:
+    """Several completions in one request (:func:`batch_reason`)."""
+    return batch_reason(body, chat) is not None
+
+
+def error_body(status: int, message: str, etype: str, param: str | None = None) -> bytes:
     return orjson.dumps(
-        {"error": {"message": message, "type": etype, "param": None, "code": status}}
+        {"error": {"message": message, "type": etype, "param": param, "code": status}}
     )
+
+
+def model_not_found(model: str) -> bytes:
+    """vLLM's 404 for a model it does not serve (serve/engine/serving.py ``_check_model``
+    and openai/models/serving.py, 0.31.0: ``NotFoundError``, ``param: "model"``)."""
+    return error_body(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+# ---------------------------------------------------------------------- other endpoints
+# The rest of vLLM 0.31.0's OpenAI server (entrypoints/launchers/api_server/routers.py
+# register_api_routers and the api_router.py each one attaches), relayed to a decoder as
+# they are (POST, body unchanged). Which of them an engine answers depends on its model and
+# flags; one it lacks answers FastAPI's 404 (``{"detail": "Not Found"}``), passed on.
+PASSTHROUGH_PATHS = (
+    # generate models (generate/api_router.py)
+    "/v1/responses",  # openai/responses/api_router.py
+    "/v1/chat/completions/batch",  # openai/chat_completion/api_router.py
+    "/v1/messages",  # anthropic/api_router.py
+    "/v1/messages/count_tokens",
+    "/cohere/v2/chat",  # cohere/api_router.py (VLLM_ENABLE_COHERE_API)
+    "/generative_scoring",  # generate/generative_scoring/api_router.py
+    # every model (serve/__init__.py register_vllm_serve_api_routers)
+    "/tokenize",  # serve/tokenize/api_router.py
+    "/detokenize",
+    # pooling models (pooling/factories.py, by the model's pooling task)
+    "/pooling",  # pooling/pooling/api_router.py
+    "/classify",  # pooling/classify/api_router.py
+    "/v1/embeddings",  # pooling/embed/api_router.py
+    "/v2/embed",
+    "/score",  # pooling/scoring/api_router.py
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    # speech-to-text models (speech_to_text/factories.py; multipart bodies)
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    # --enable-scale-out (scale_out/factories.py)
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/inference/v1/generate",
+)
+# Not relayed, because their state lives in one engine and a pool of decoders has no
+# single answer: GET /v1/responses/{id} and POST /v1/responses/{id}/cancel (the response
+# store, off by default: VLLM_ENABLE_RESPONSES_API_STORE), /v1/load_lora_adapter,
+# /v1/unload_lora_adapter, /start_profile, /stop_profile, /abort_requests, /load,
+# /version, /kv_event_sources, /ping, /invocations (SageMaker), the VLLM_SERVER_DEV_MODE,
+# elastic-EP and fault-tolerance routes; nor the WebSocket /v1/realtime.
+
+
+# ---------------------------------------------------------------------- /v1/models
+def model_card(model: str, max_model_len: int | None, created: int) -> dict[str, Any]:
+    """The router's own card when no engine answered /v1/models: vLLM's ``ModelCard``
+    fields (serve/engine/protocol.py, 0.31.0) with what the router knows."""
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": None,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [],
+    }
+
+
+def served_cards(answer: Any, model: str) -> list[dict[str, Any]]:
+    """The cards of ``model`` in an engine's /v1/models answer (a ``ModelList``), as the
+    engine wrote them; [] when there is none. LoRA adapters the engine lists are left out:
+    the router serves ``model.servedName`` only."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [c for c in data if isinstance(c, dict) and c.get("id") == model]
 
 
 def sse_error(message: str, etype: str = "upstream_error", code: int = 502) -> bytes:
@@ -164,49 +255,225 @@ def tokenize_request(body: dict[str, Any], chat: bool, served: str) -> dict[str,
     return {"model": served, "prompt": prompt[0] if isinstance(prompt, list) else prompt}
 
 
-def answer(
-    chat: bool, sid: str, created: int, model: str, text: str, finish: Any, usage: Any = False
+# ---------------------------------------------------------------------- LMCache answers
+# The LMCache route's legs are ``/v1/completions`` requests of token ids; what the client
+# gets is rebuilt from their ``text_completion`` answers in the shape vLLM gives the same
+# request directly: CompletionResponse / ChatCompletionResponse and their stream chunks
+# (openai/{completion,chat_completion}/protocol.py, serving.py of vLLM 0.31.0; 0.33.0 adds
+# ``weight_versions`` to the choices, carried over from the leg like every choice field).
+
+
+def new_completion_id(chat: bool) -> str:
+    """A fresh id in vLLM's format, ``chatcmpl-``/``cmpl-`` + ``random_uuid()`` (16 hex
+    characters, vllm/utils/__init__.py, 0.31.0), for the answers the router builds itself.
+    (vLLM itself, and so the direct and NIXL routes, name a completion after the request's
+    ``X-Request-Id`` when one is sent: serve/engine/serving.py ``_base_request_id``.)"""
+    return ("chatcmpl-" if chat else "cmpl-") + os.urandom(8).hex()
+
+
+def chat_message(text: str) -> dict[str, Any]:
+    """``ChatMessage`` as vLLM dumps an assistant answer (chat_completion/protocol.py,
+    0.31.0 and 0.33.0): no ``tool_calls`` (its serializer drops an empty list), ``reasoning``
+    null (requests with tools, and every chat request of a reasoning model, are served
+    directly: lmcache.py)."""
+    return {
+        "role": "assistant",
+        "content": text,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    }
+
+
+# CompletionResponseChoice fields that ChatCompletionResponse has at the top level instead
+_PROMPT_FIELDS = ("prompt_logprobs", "prompt_token_ids")
+_CHAT_ONLY_TOP = (*_PROMPT_FIELDS, "prompt_text")
+
+
+def whole_answer(
+    chat: bool, sid: str, model: str, leg: dict[str, Any], text: str, usage: Any
 ) -> dict[str, Any]:
-    """A whole answer (``usage`` given) or a stream chunk (``usage`` left out), in the
-    chat or the completions shape."""
-    chunk = usage is False
-    choice: dict[str, Any] = {"index": 0}
+    """The client's whole answer built on a leg's ``text_completion`` answer (the decode
+    leg's; the prefill leg's when its one token is the answer): every field the engine
+    wrote, with our id, the whole ``text`` and ``usage``; in the chat shape for chat. The
+    leg's ``kv_transfer_params`` are the hand-off's, so the client gets null, like a direct
+    answer. Raises KeyError/IndexError/TypeError/AttributeError on a malformed leg."""
+    ch = leg["choices"][0]
+    if not isinstance(ch, dict):
+        raise TypeError("choice is not an object")
+    out: dict[str, Any] = {
+        "id": sid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": leg.get("created", int(time.time())),
+        "model": model,
+    }
     if chat:
-        choice["delta" if chunk else "message"] = {"role": "assistant", "content": text}
-        obj = "chat.completion.chunk" if chunk else "chat.completion"
+        choice: dict[str, Any] = {"index": 0, "message": chat_message(text)}
+        choice.update((k, v) for k, v in ch.items() if k not in ("index", "text", *_PROMPT_FIELDS))
+        # chat_completion_full_generator: ``output.finish_reason or "stop"``
+        choice["finish_reason"] = choice.get("finish_reason") or "stop"
     else:
-        choice["text"] = text
-        obj = "text_completion"
-    choice["logprobs"] = None
-    choice["finish_reason"] = finish
-    out = {"id": sid, "object": obj, "created": created, "model": model}
+        choice = {**ch, "index": 0, "text": text}
     out["choices"] = [choice]
-    if not chunk:
-        out["usage"] = usage
+    for k, v in leg.items():
+        if k in out or k == "choices":
+            continue
+        out[k] = usage if k == "usage" else None if k == "kv_transfer_params" else v
+        if chat and k == "usage":
+            out.update(dict.fromkeys(_CHAT_ONLY_TOP))
+    out.setdefault("usage", usage)
+    if chat:
+        for k in _CHAT_ONLY_TOP:
+            out.setdefault(k, None)
     return out
 
 
-def completion_to_chat_chunk(chunk: dict[str, Any], rid: str) -> dict[str, Any]:
-    """Rewrite a streamed ``text_completion`` chunk as a ``chat.completion.chunk``."""
-    choices = []
-    for c in chunk.get("choices") or []:
-        choices.append(
+def role_chunk(sid: str, created: int, model: str, usage: Any = None) -> dict[str, Any]:
+    """The chat stream's first chunk (chat_completion_stream_generator, 0.31.0): the role
+    and empty content, ``prompt_token_ids``/``prompt_text`` set to null (the chunk is dumped
+    ``exclude_unset``); with ``continuous_usage_stats`` its usage (0 completion tokens)."""
+    out: dict[str, Any] = {
+        "id": sid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
             {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    out.update(prompt_token_ids=None, prompt_text=None)
+    return out
+
+
+def token_chunk(
+    chat: bool,
+    sid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: Any,
+    stop_reason: Any = None,
+    usage: Any = None,
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """A stream chunk of one output token, as vLLM 0.31.0 dumps it (``exclude_unset``):
+    completions always carry ``stop_reason``, ``prompt_token_ids`` and ``token_ids``; chat
+    ``token_ids``, and ``stop_reason`` once finished. ``usage``: continuous usage stats;
+    ``fingerprint``: on a finishing chunk when no usage chunk follows."""
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        choice["token_ids"] = None
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
+    out: dict[str, Any] = {
+        "id": sid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    if fingerprint is not None:
+        out["system_fingerprint"] = fingerprint
+    return out
+
+
+def usage_chunk(
+    chat: bool, sid: str, created: int, model: str, usage: dict[str, Any], fingerprint: Any
+) -> dict[str, Any]:
+    """The last chunk with ``stream_options.include_usage``: no choices, the usage and the
+    fingerprint, dumped ``exclude_none`` (both stream generators, 0.31.0)."""
+    out: dict[str, Any] = {
+        "id": sid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": {k: v for k, v in usage.items() if v is not None},
+    }
+    if fingerprint is not None:
+        out["system_fingerprint"] = fingerprint
+    return out
+
+
+def stream_usage(prompt: int, completion: int, chat: bool) -> dict[str, Any]:
+    """Continuous usage stats of one chunk: chat sets ``completion_tokens_details`` (to
+    null without reasoning), completions leave it unset."""
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if chat:
+        u["completion_tokens_details"] = None
+    return u
+
+
+def relabel_chunk(
+    d: dict[str, Any], chat: bool, sid: str, created: int, model: str
+) -> dict[str, Any]:
+    """A decode-leg ``text_completion`` chunk as the client's: our id, ``created`` and
+    model, the first token moved from the prompt to the completion in its usage, and for
+    chat the ``chat.completion.chunk`` shape (``delta``, ``stop_reason`` once finished).
+    An error event (no ``choices``) is passed on as the engine sent it."""
+    if "choices" not in d:
+        return d
+    if not chat:
+        out = {**d, "id": sid, "created": created, "model": model}
+    else:
+        choices = []
+        for c in d["choices"] or []:
+            fr = c.get("finish_reason")
+            ch: dict[str, Any] = {
                 "index": c.get("index", 0),
                 "delta": {"content": c.get("text", "")},
                 "logprobs": None,
-                "finish_reason": c.get("finish_reason"),
+                "finish_reason": fr,
             }
-        )
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": chunk.get("created"),
-        "model": chunk.get("model"),
-        "choices": choices,
-    }
-    if chunk.get("usage") is not None:
-        out["usage"] = adjust_usage(chunk["usage"])
+            if fr is not None:
+                ch["stop_reason"] = c.get("stop_reason")
+            if "token_ids" in c:
+                ch["token_ids"] = c["token_ids"]
+            choices.append(ch)
+        out = {
+            "id": sid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        out.update((k, v) for k, v in d.items() if k not in out and k != "object")
+    usage = d.get("usage")
+    if isinstance(usage, dict):
+        u = adjust_usage(usage)
+        if chat and out["choices"] and "completion_tokens_details" not in u:
+            u["completion_tokens_details"] = None  # chat sets it on per-chunk usage
+        out["usage"] = u
     return out
 
 

@@ -105,6 +105,10 @@ class Outcomes:
     def fallback(self, reason: str) -> None:
         self.metrics.fallbacks.labels(reason).inc()
 
+    def batch(self, reason: str) -> None:
+        """A request for several completions, served directly (openai_wire.batch_reason)."""
+        self.metrics.batch_requests.labels(reason).inc()
+
     def retry(self, pool: str) -> None:
         self.metrics.retries.labels(pool).inc()
 

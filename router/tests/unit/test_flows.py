@@ -5,6 +5,7 @@ back whatever happened."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import orjson
@@ -236,7 +237,10 @@ def test_lmcache_decodes_on_the_decoder_that_received_the_kv() -> None:
     assert dport == w.ep(dport).port and dec["prompt"] == [*IDS, 99] and dec["max_tokens"] == 7
     assert "kv_transfer_params" not in dec and waiter.waited == [(waiter.expected[0], P1)]
     body = down.json()
-    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-rid1"
+    # a fresh id in vLLM's format, never the request id (openai_wire.new_completion_id)
+    assert body["object"] == "chat.completion" and re.fullmatch(
+        r"chatcmpl-[0-9a-f]{16}", body["id"]
+    )
     assert body["choices"][0]["message"]["content"] == "ABCD"
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
     assert down.headers["x-pd-route"] == "disaggregated" and waiter.cancelled
@@ -313,8 +317,16 @@ def test_lmcache_streams_the_first_token_then_the_relabelled_decode_leg() -> Non
     c = lm_ctx({"messages": [{"role": "user", "content": "q"}], "stream": True}, chat=True)
     run(lmcache(w, waiter).serve(c, down))
     chunks = down.sse()
-    assert [ch["choices"][0].get("delta", {}).get("content") for ch in chunks] == ["A", "B", "C"]
-    assert {ch["id"] for ch in chunks} == {"chatcmpl-rid1"}
+    # vLLM's role-only first chunk, then the prefiller's token, then the decode leg's
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [ch["choices"][0].get("delta", {}).get("content") for ch in chunks] == [
+        "",
+        "A",
+        "B",
+        "C",
+    ]
+    assert len({ch["id"] for ch in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert "rid1" not in chunks[0]["id"]
     assert {ch["object"] for ch in chunks} == {"chat.completion.chunk"}
     assert b"".join(down.events).endswith(b"data: [DONE]\n\n") and down.ended
     assert w.load() == [(0, 0)] * 2

@@ -1,5 +1,6 @@
 """The direct route: one decoder prefills and decodes. Also where every disaggregated request
-ends up when its hand-off cannot be used (route ``fallback``, reason counted)."""
+ends up when its hand-off cannot be used (route ``fallback``, reason counted), and how vLLM's
+other endpoints reach a decoder (:meth:`DirectRoute.passthrough`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ class DirectRoute:
         except LegError as err:
             return legs.fail(ctx, down, err)
         return await legs.relay(ctx, down, resp, ep, ctx.stream)
+
+    async def passthrough(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+        """One of vLLM's other endpoints (``openai_wire.PASSTHROUGH_PATHS``): ``ctx.raw`` to
+        ``ctx.path`` on a decoder, retried like a completion; the answer relayed as it comes,
+        a stream when the engine answers ``text/event-stream`` (the Responses API,
+        transcriptions, ... decide that from their own fields)."""
+        legs = self.legs
+        try:
+            resp, ep = await legs.open_decoder(ctx, ctx.path, ctx.raw, ctx.stream)
+        except LegError as err:
+            return legs.fail(ctx, down, err)
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        return await legs.relay(ctx, down, resp, ep, sse)
 
     async def fallback(self, ctx: Ctx, down: Downstream, reason: str) -> web.StreamResponse:
         """Serve a request meant for the hand-off directly, counting why."""

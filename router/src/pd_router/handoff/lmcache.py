@@ -12,7 +12,9 @@ Checked against LMCache 0.5.6 (``examples/disagg_prefill/disagg_proxy_server.py`
    (:mod:`.lmcache_notify` waits for them);
 4. then the decoder gets ``prompt = ids + [first_tok]``, ``max_tokens - 1``, no
    ``kv_transfer_params``; its ``text_completion`` answer is reshaped into what the client
-   asked for (chat or completions, whole or streamed) under the router's id.
+   asked for (chat or completions, whole or streamed), in the shape vLLM gives the same
+   request directly (``openai_wire``: every field the leg carries, the chat stream's
+   role-only first chunk, ``stop_reason``, usage details), under a fresh id of vLLM's format.
 
 A missing notification times out and the request is decoded anyway (``fallback``, counted) on
 a decoder other than the one that may hold a partial KV.
@@ -38,7 +40,17 @@ from pd_router.handoff.lmcache_notify import KvWaiter, Ticket
 from pd_router.lease import Lease
 from pd_router.legs import JSON, SSE_HEADERS, ClientGone, Downstream, Legs
 from pd_router.lengths import effective_max_tokens, lower_min_tokens, min_tokens_above
-from pd_router.openai_wire import SseEvents, adjust_usage, answer, completion_to_chat_chunk
+from pd_router.openai_wire import (
+    SseEvents,
+    adjust_usage,
+    new_completion_id,
+    relabel_chunk,
+    role_chunk,
+    stream_usage,
+    token_chunk,
+    usage_chunk,
+    whole_answer,
+)
 from pd_router.request import DISAGG, FALLBACK, Ctx
 from pd_router.upstream import Response
 
@@ -92,19 +104,37 @@ SPLIT_UNSUPPORTED = (
     "response_format",
     "prompt_logprobs",
 )
-COMPLETIONS_UNSUPPORTED = ("echo", "logprobs", *SPLIT_UNSUPPORTED)
+# Request fields of vLLM 0.31.0 (openai/{completion,chat_completion}/protocol.py) whose
+# answer a split request cannot equal, when set (not null/false): token ids of the prompt and
+# the output (the decode leg's prompt holds the first token), the rendered prompt text, beam
+# search (over the whole output), a prompt truncated from the left (the decode leg's prompt is
+# one token longer), and what counts or looks back over the output (a thinking budget,
+# repetition detection).
+SHAPE_UNSUPPORTED = (
+    "return_token_ids",
+    "return_prompt_text",
+    "use_beam_search",
+    "truncate_prompt_tokens",
+    "thinking_token_budget",
+    "repetition_detection",
+)
+COMPLETIONS_UNSUPPORTED = ("echo", "logprobs", *SPLIT_UNSUPPORTED, *SHAPE_UNSUPPORTED)
+
+
+def _set(v: Any) -> bool:
+    return v is not None and v is not False
 
 
 def chat_supported(body: dict[str, Any]) -> bool:
-    return not any(body.get(k) for k in CHAT_ONLY_UNSUPPORTED) and not any(
-        body.get(k) is not None for k in SPLIT_UNSUPPORTED
+    return (
+        not any(body.get(k) for k in CHAT_ONLY_UNSUPPORTED)
+        and not any(body.get(k) is not None for k in SPLIT_UNSUPPORTED)
+        and not any(_set(body.get(k)) for k in SHAPE_UNSUPPORTED)
     )
 
 
 def completions_supported(body: dict[str, Any]) -> bool:
-    return not any(
-        body.get(k) is not None and body.get(k) is not False for k in COMPLETIONS_UNSUPPORTED
-    )
+    return not any(_set(body.get(k)) for k in COMPLETIONS_UNSUPPORTED)
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -166,11 +196,14 @@ class Plan:
 
 @dataclass(slots=True)
 class First:
-    """The prefill leg's answer: the first output token (id and text) and why it stopped."""
+    """The prefill leg's answer: the first output token (id and text), why it stopped, and
+    the whole ``text_completion`` answer (the template when that token is the answer)."""
 
     tok: int
     text: str
     finish: Any
+    stop_reason: Any
+    leg: dict[str, Any]
 
 
 NO_DECODER = "no_decoder"  # a plan outcome, not a fallback: nobody can serve it
@@ -182,6 +215,9 @@ class LMCacheRoute:
         self.legs = legs
         self.direct = direct
         self.waiter = waiter
+        # model.reasoningParser is set (the app sets this): the engines split a chat answer
+        # into ``reasoning`` and ``content``, which a /v1/completions decode leg cannot do
+        self.reasoning = False
 
     async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
         plan = await self._plan(ctx)
@@ -207,6 +243,8 @@ class LMCacheRoute:
         supported = chat_supported(body) if ctx.chat else completions_supported(body)
         if not supported:
             return "unsupported_fields"
+        if ctx.chat and self.reasoning:
+            return "reasoning_parser"
         pre = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
         if pre is None:
             return "no_prefiller"
@@ -249,20 +287,15 @@ class LMCacheRoute:
         # the prefiller's success is reported once its hand-off completed (below): reported
         # here, it would reset the failures a missing notification counts every time
         done_after_first = first.finish == "stop" or plan.max_tokens == 1
-        sid = ("chatcmpl-" if ctx.chat else "cmpl-") + ctx.rid
+        # a fresh id, never the client's X-Request-Id (vLLM's own would be; openai_wire)
+        sid = new_completion_id(ctx.chat)
         created = int(time.time())
         if ctx.stream:
-            chunk = answer(
-                ctx.chat,
-                sid,
-                created,
-                legs.served,
-                first.text,
-                (first.finish or "length") if done_after_first else None,
-            )
             try:
                 await down.open_stream({**ctx.reply_headers(), **SSE_HEADERS})
-                await down.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await down.write(
+                    self._first_events(ctx, sid, created, first, done_after_first, len(plan.ids))
+                )
             except ClientGone:
                 legs.outcomes.disconnect(ctx)
                 assert down.response is not None
@@ -275,7 +308,35 @@ class LMCacheRoute:
         landed = await self._await_kv(ctx, plan, ticket, t0)
         data = orjson.dumps(decode_body(ctx.body, plan.ids, first.tok, plan.max_tokens, ctx.stream))
         hold.release()  # the decode leg counts itself from here on
-        return await self._decode(ctx, down, plan, landed, data, sid, first.text)
+        return await self._decode(ctx, down, plan, landed, data, sid, created, first.text)
+
+    def _first_events(
+        self, ctx: Ctx, sid: str, created: int, first: First, done: bool, n_prompt: int
+    ) -> bytes:
+        """The stream's opening: the chat role chunk, then the first token's chunk (its last
+        when ``done``), as vLLM streams them; continuous usage stats count the prompt."""
+        chat, model = ctx.chat, self.legs.served
+        include, continuous = _usage_options(ctx.body)
+        out = []
+        if chat:
+            usage = stream_usage(n_prompt, 0, True) if continuous else None
+            out.append(role_chunk(sid, created, model, usage))
+        finish = (first.finish or "length") if done else None
+        fp = first.leg.get("system_fingerprint") if done and not include else None
+        out.append(
+            token_chunk(
+                chat,
+                sid,
+                created,
+                model,
+                first.text,
+                finish,
+                first.stop_reason if done else None,
+                stream_usage(n_prompt, 1, chat) if continuous else None,
+                fp,
+            )
+        )
+        return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in out)
 
     async def _prefill(self, ctx: Ctx, plan: Plan, req_id: str) -> First | str | tuple[int, bytes]:
         """The prefill leg: its first token, a fallback reason, or an engine 4xx."""
@@ -296,11 +357,12 @@ class LMCacheRoute:
             ch = presp["choices"][0]
             text = ch.get("text") or ""
             finish = ch.get("finish_reason")
+            stop_reason = ch.get("stop_reason")
         except (KeyError, TypeError, IndexError, AttributeError):
             tok = None
         if type(tok) is not int:
             return legs.prefill_failed(plan.pre, LegError("bad_response", 502))
-        return First(tok, text, finish)
+        return First(tok, text, finish, stop_reason, presp)
 
     async def _await_kv(self, ctx: Ctx, plan: Plan, ticket: Ticket, t0: float) -> bool:
         """Wait until the KV landed on the planned decoder; a broken hand-off counts against
@@ -328,6 +390,7 @@ class LMCacheRoute:
         landed: bool,
         data: bytes,
         sid: str,
+        created: int,
         first_text: str,
     ) -> web.StreamResponse:
         """The decode leg: on the decoder holding the KV if it landed, else elsewhere if
@@ -357,23 +420,31 @@ class LMCacheRoute:
             assert down.response is not None
             return down.response
         if not down.streaming:
-            return await self._whole(ctx, down, resp, sid, first_text)
-        return await self._stream(ctx, down, resp, dep, sid)
+            return await self._whole(ctx, down, resp, sid, created, first_text)
+        return await self._stream(ctx, down, resp, dep, sid, created)
 
     # ------------------------------------------------------------------ reshape
     async def _first_only(
         self, ctx: Ctx, down: Downstream, sid: str, created: int, first: First, n_prompt: int
     ) -> web.StreamResponse:
-        """The answer was the prefiller's one token (it stopped, or one was asked for)."""
+        """The answer was the prefiller's one token (it stopped, or one was asked for): the
+        prefill leg's answer is the template (its usage counts the prompt and that token)."""
         out = self.legs.outcomes
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": 1, "total_tokens": n_prompt + 1}
+        usage = first.leg.get("usage")
+        if not isinstance(usage, dict):
+            usage = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + 1}
+            usage["completion_tokens"] = 1
         if down.streaming:
             tail = b"data: [DONE]\n\n"
-            so = ctx.body.get("stream_options")
-            if isinstance(so, dict) and so.get("include_usage"):  # as vLLM: a last usage chunk
-                obj = "chat.completion.chunk" if ctx.chat else "text_completion"
-                last = {"id": sid, "object": obj, "created": created, "model": self.legs.served}
-                last.update(choices=[], usage=usage)
+            if _usage_options(ctx.body)[0]:  # as vLLM: a last usage chunk
+                last = usage_chunk(
+                    ctx.chat,
+                    sid,
+                    created,
+                    self.legs.served,
+                    usage,
+                    first.leg.get("system_fingerprint"),
+                )
                 tail = b"data: " + orjson.dumps(last) + b"\n\n" + tail
             assert down.response is not None
             try:
@@ -385,15 +456,16 @@ class LMCacheRoute:
             out.finished(ctx)
             out.count(ctx.route, "ok")
             return down.response
-        whole = answer(
-            ctx.chat, sid, created, self.legs.served, first.text, first.finish or "length", usage
-        )
+        leg = {**first.leg, "created": created}
+        if not leg["choices"][0].get("finish_reason"):
+            leg["choices"] = [{**leg["choices"][0], "finish_reason": "length"}]
+        whole = whole_answer(ctx.chat, sid, self.legs.served, leg, first.text, usage)
         out.finished(ctx)
         out.count(ctx.route, "ok")
         return down.reply(200, orjson.dumps(whole), ctx.reply_headers(), JSON)
 
     async def _whole(
-        self, ctx: Ctx, down: Downstream, resp: Response, sid: str, first_text: str
+        self, ctx: Ctx, down: Downstream, resp: Response, sid: str, created: int, first_text: str
     ) -> web.StreamResponse:
         """A non-streamed decode answer, with the first token put back in front."""
         legs, out = self.legs, self.legs.outcomes
@@ -407,16 +479,10 @@ class LMCacheRoute:
             return down.reply(resp.status, raw, ctx.reply_headers(), JSON)
         try:
             d = orjson.loads(raw)
-            ch = d["choices"][0]
-            whole = answer(
-                ctx.chat,
-                sid,
-                d.get("created", int(time.time())),
-                legs.served,
-                first_text + (ch.get("text") or ""),
-                ch.get("finish_reason"),
-                adjust_usage(d.get("usage")),
-            )
+            text = first_text + (d["choices"][0].get("text") or "")
+            usage = adjust_usage(d.get("usage"))
+            # one ``created`` for the request, as vLLM stamps it when the request arrives
+            whole = whole_answer(ctx.chat, sid, legs.served, {**d, "created": created}, text, usage)
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             out.upstream("decode", "bad_response")
             return legs.fail(ctx, down, LegError("bad_response", 502))
@@ -425,19 +491,30 @@ class LMCacheRoute:
         return down.reply(200, orjson.dumps(whole), ctx.reply_headers(), JSON)
 
     async def _stream(
-        self, ctx: Ctx, down: Downstream, resp: Response, dep: Endpoint, sid: str
+        self, ctx: Ctx, down: Downstream, resp: Response, dep: Endpoint, sid: str, created: int
     ) -> web.StreamResponse:
         """Relay the decode leg's SSE events, re-labelled with our id (and as chat chunks)."""
         events = SseEvents()
-        chat = ctx.chat
+        chat, model = ctx.chat, self.legs.served
 
         def relabel(chunk: bytes) -> bytes:
-            return b"".join(_relabel(events.feed(chunk), chat, sid))
+            return b"".join(_relabel(events.feed(chunk), chat, sid, created, model))
 
         return await self.legs.pump(ctx, down, resp, dep, relabel)
 
 
-def _relabel(events: list[bytes], chat: bool, sid: str) -> list[bytes]:
+def _usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) as vLLM reads ``stream_options``
+    (serve/utils/api_utils.py should_include_usage, 0.31.0; the engine flag
+    ``--enable-force-include-usage``, which turns both on, is not known to the router)."""
+    so = body.get("stream_options")
+    if not isinstance(so, dict):
+        return False, False
+    include = bool(so.get("include_usage"))
+    return include, include and bool(so.get("continuous_usage_stats"))
+
+
+def _relabel(events: list[bytes], chat: bool, sid: str, created: int, model: str) -> list[bytes]:
     """Decode-leg SSE events re-labelled with our id (and as chat chunks)."""
     outb = []
     for raw_ev in events:
@@ -450,13 +527,9 @@ def _relabel(events: list[bytes], chat: bool, sid: str) -> list[bytes]:
             continue
         try:
             d = orjson.loads(payload)
-        except orjson.JSONDecodeError:
+            if isinstance(d, dict):
+                d = relabel_chunk(d, chat, sid, created, model)
+        except (orjson.JSONDecodeError, AttributeError, TypeError):
             continue
-        if chat:
-            d = completion_to_chat_chunk(d, sid)
-        else:
-            d["id"] = sid
-            if d.get("usage") is not None:
-                d["usage"] = adjust_usage(d["usage"])
         outb.append(b"data: " + orjson.dumps(d) + b"\n\n")
     return outb

@@ -15,7 +15,11 @@ the vLLM file it was checked against (paths relative to the ``vllm/`` package):
   the body's ``request_id``) as vLLM's ``_base_request_id``;
 - ``GET /v1/models``: ``ModelList``/``ModelCard``/``ModelPermission``
   (``entrypoints/serve/engine/protocol.py``); ``POST /tokenize`` returns
-  ``{count, max_model_len, tokens, token_strs}``;
+  ``{count, max_model_len, tokens, token_strs}``, ``POST /detokenize`` ``{prompt}``
+  (``entrypoints/serve/tokenize/protocol.py``); a path it lacks is FastAPI's 404
+  ``{"detail": "Not Found"}``, a known path under another method 405 ``{"detail": "Method
+  Not Allowed"}`` with ``Allow`` (vLLM registers no handler for Starlette's own HTTP
+  errors: ``entrypoints/serve/exception_handling/register.py``);
 - ``GET /metrics``: ``vllm:*`` as ``v1/metrics/loggers.py`` exports them (``metrics.py``),
   plus the simulator's own ``pd_sim_*`` counters;
 - scheduling and timing: ``engine.py`` (``v1/core/sched/scheduler.py``, chunked prefill
@@ -102,6 +106,7 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
     num_gpu_blocks: int = 8192  # vLLM's --num-gpu-blocks-override; profiled on a real GPU
+    step_time: str = "sum"  # sum | max: how a step's duration is modelled (engine.py)
 
 
 def random_uuid() -> str:
@@ -279,6 +284,43 @@ class SimEngine:
             "token_strs": None,
         }
         return _json(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """serve/tokenize/serving.py (0.31) create_detokenize: the model check, then the
+        tokens' text (the toy tokenizer's output words; prompt words come back as ids)."""
+        try:
+            raw = await request.read()
+            body = P.require_object(P.decode_body(raw, request.headers.get("Content-Type", "")))
+            toks = body.get("tokens")
+            if not isinstance(toks, list) or not all(P._is_tok(t) for t in toks):
+                err = P.FieldError("list_type", ("tokens",), "Input should be a valid list", toks)
+                if "tokens" not in body:
+                    err = P.FieldError("missing", ("tokens",), "Field required", body)
+                raise P.validation_error([err])
+            mdl = body.get("model")
+            if isinstance(mdl, str) and mdl and mdl != self.cfg.model:
+                raise P.not_found_model(mdl)
+        except P.ApiError as exc:
+            return _error(exc)
+        return _json({"prompt": "".join(M.token_text(t) for t in toks)})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        """Starlette's answers for an unknown path (404) or method (405 with ``Allow``),
+        rendered by FastAPI's default handler as ``{"detail": ...}``."""
+        allowed: set[str] = set()
+        this = request.match_info.route.resource
+        for resource in request.app.router.resources():
+            if resource is not this:
+                match, methods = await resource.resolve(request)
+                if match is None:
+                    allowed |= methods - {"HEAD"}
+        if allowed:
+            return web.json_response(
+                {"detail": "Method Not Allowed"},
+                status=405,
+                headers={"Allow": ", ".join(sorted(allowed))},
+            )
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def sim_fault(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -800,12 +842,14 @@ def build_app(cfg: SimConfig) -> tuple[web.Application, SimEngine]:
     app.router.add_get("/health", sim.health)
     app.router.add_get("/v1/models", sim.models)
     app.router.add_post("/tokenize", sim.tokenize)
+    app.router.add_post("/detokenize", sim.detokenize)
     app.router.add_post("/v1/completions", sim.completions)
     app.router.add_post("/v1/chat/completions", sim.chat)
     app.router.add_get("/metrics", sim.metrics)
     app.router.add_post("/sim/fault", sim.sim_fault)
     app.router.add_get("/sim/requests", sim.sim_requests)
     app.router.add_post("/sim/release", sim.sim_release)
+    app.router.add_route("*", "/{tail:.*}", sim.not_found)  # last: vLLM's 404 / 405
 
     async def on_startup(_: web.Application) -> None:
         await sim.start_receiver()
