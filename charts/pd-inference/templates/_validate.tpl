@@ -179,7 +179,7 @@ generated from pd_router.config). */ -}}
 {{- $r := get $v $role -}}
 {{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
 accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
-{{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" -}}
+{{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
 {{- range $arg := include "pd-inference.engineArgs" (dict "ctx" $ "role" $role) | fromYamlArray -}}
 {{- if hasPrefix "--" $arg -}}
 {{- $n := trimPrefix "--" (first (splitList "=" $arg)) -}}

@@ -18,6 +18,13 @@ them (a repeated flag or variable would silently override the chart's own). Call
 - --tensor-parallel-size={{ int $r.tensorParallelSize }}
 - --max-model-len={{ int $v.model.maxModelLen }}
 - --gpu-memory-utilization={{ $r.gpuMemoryUtilization }}
+{{- with $v.model.reasoningParser }}
+- --reasoning-parser={{ . }}
+{{- end }}
+{{- with $v.model.toolCallParser }}
+- --enable-auto-tool-choice
+- --tool-call-parser={{ . }}
+{{- end }}
 - --kv-transfer-config
 - {{ include "pd-inference.kvTransferConfig" (dict "ctx" .ctx "role" .role) | toJson }}
 {{- end -}}

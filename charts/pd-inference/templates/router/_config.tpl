@@ -17,7 +17,7 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
 -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" $port.listen "workers" (include "pd-inference.routerWorkers" . | int))
-  "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer "tokenizerHub" (dict
+  "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer "reasoningParser" $v.model.reasoningParser "tokenizerHub" (dict
     "repo" (ternary $v.model.name "" $v.model.routerTokenizerFromHub)
     "revision" ($v.model.revision | default "main")
     "endpoint" ($v.model.hubEndpoint | default (include "pd-inference.defaultHubEndpoint" .))
