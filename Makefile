@@ -5,6 +5,7 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := pip==25.3
 # HELM4, HELM3 (paths) and their versions: pinned in scripts/tools.env only.
 include scripts/tools.env
 HELM ?= $(HELM4)
@@ -19,7 +20,7 @@ help: ## List the targets
 $(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml router/dev/pyproject.toml)
 	@test -x $(PY) || { echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }
 	@echo "venv: installing requirements-dev.txt, router[test] and router/dev into $(VENV) (first run: a minute or two)" >&2
-	@$(PY) -m pip install --upgrade pip==25.3 >&2
+	@$(PY) -m pip install --upgrade $(PIP) >&2
 	@$(PY) -m pip install -r requirements-dev.txt >&2
 	@if [ -f router/pyproject.toml ]; then $(PY) -m pip install -e 'router[test]' -e router/dev >&2; fi
 	@echo "venv: $(VENV) ready" >&2
@@ -59,7 +60,15 @@ snapshot: helm ## Refresh the committed snapshot of the default render (review i
 docs: helm ## Regenerate values.schema.json descriptions and the chart README values table
 	$(PY) -m ci.chartdoc --write
 
-demo: $(VENV)/.installed ## Router plus simulated prefill and decode engines on loopback (ARGS=--once to exit)
+# What the demo needs and no more: the router, the simulator and the openai client (seconds, not
+# the test toolchain); a full install (.installed) covers it too.
+$(VENV)/.demo: $(wildcard router/pyproject.toml router/dev/pyproject.toml)
+	@if [ -f $(VENV)/.installed ] && [ $(VENV)/.installed -nt router/pyproject.toml ]; then touch $@; exit 0; fi; \
+	test -x $(PY) || { echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }; \
+	echo "venv: installing the router, the simulator and the openai client into $(VENV)" >&2; \
+	$(PY) -m pip install --upgrade $(PIP) >&2 && $(PY) -m pip install -e 'router[demo]' -e router/dev >&2 && touch $@
+
+demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopback (ARGS="--once", "--port 8080", "--model NAME"; logs are kept)
 	$(PY) -m pd_router_dev.demo $(ARGS)
 
 bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic on simulated engines; ARGS=--help (~4 min)

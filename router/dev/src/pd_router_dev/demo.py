@@ -2,7 +2,8 @@
 loopback; a short and a long chat request through the official ``openai`` client.
 
 The router is configured from ``demo-config.yaml`` through the same loader as the chart's
-ConfigMap; the engines' ports are filled in with ``PD_ROUTER__*`` env overrides.
+ConfigMap; the engines' ports (and ``--port``/``--model``) are filled in with ``PD_ROUTER__*``
+env overrides. The processes' logs are kept in a folder the demo prints (``--logs`` picks it).
 """
 
 from __future__ import annotations
@@ -11,25 +12,26 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from pd_router.config import load_config
 from pd_router_dev.devstack import DEMO_CONFIG, Stack, free_port
 
-MODEL = "llama-3.3-70b"
+MODEL = "llama-3.3-70b"  # demo-config.yaml's servedName
 LONG_DOC = (
     "Disaggregated serving splits the compute-bound prefill of a long prompt from the "
     "memory-bound decode of its answer, so long prompts stop stalling other users' streams. "
 ) * 60
 
 
-def _ask(client: object, content: str) -> tuple[str, str, float, float]:
+def _ask(client: object, model: str, content: str) -> tuple[str, str, float, float]:
     t0 = time.perf_counter()
     ttft = 0.0
     parts: list[str] = []
     with client.chat.completions.with_streaming_response.create(  # type: ignore[attr-defined]
-        model=MODEL,
+        model=model,
         messages=[{"role": "user", "content": content}],
         max_tokens=24,
         temperature=0,
@@ -48,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pd_router_dev.demo", description=__doc__)
     p.add_argument("--once", action="store_true", help="exit after the two requests")
     p.add_argument("--connector", choices=["lmcache", "nixl"], default="lmcache")
+    p.add_argument("--port", type=int, default=0, help="router port on 127.0.0.1 (0 = a free one)")
+    p.add_argument("--model", default=MODEL, help="model name the engines serve and clients send")
+    p.add_argument("--logs", help="folder for the processes' logs (default: a new one in /tmp)")
     a = p.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port: must be between 0 and 65535, got {a.port}")
     import openai
 
     notify, init_port, alloc_port = free_port(), free_port(), free_port()
@@ -61,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         "1",
     ]
     env = {
+        "PD_ROUTER__LISTEN__PORT": str(a.port),
+        "PD_ROUTER__MODEL__SERVEDNAME": a.model,
         "PD_ROUTER__ROUTING__CONNECTOR": a.connector,
         "PD_ROUTER__LMCACHE__NOTIFYPORT": str(notify),
         "PD_ROUTER__LMCACHE__DECODERINITPORTS": f"[{init_port}]",
         "PD_ROUTER__LMCACHE__DECODERALLOCPORTS": f"[{alloc_port}]",
     }
-    with Stack() as stack:
+    logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="pd-demo-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    with Stack(logs) as stack:  # a folder given to Stack is left in place: the logs stay
         stop = {"now": False}
 
         def _sig(*_: object) -> None:
@@ -94,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
         else:
             pre_args = dec_args = ["--kv-connector", "nixl"]
-        prefill = stack.sim("demo-prefill", *pre_args, *timing)
-        decode = stack.sim("demo-decode", *dec_args, *timing)
+        model = ["--model", a.model]
+        prefill = stack.sim("demo-prefill", *pre_args, *timing, *model)
+        decode = stack.sim("demo-decode", *dec_args, *timing, *model)
         env["PD_ROUTER__POOLS__PREFILL__STATIC"] = f"[{prefill.url()}]"
         env["PD_ROUTER__POOLS__DECODE__STATIC"] = f"[{decode.url()}]"
         cfg = load_config(DEMO_CONFIG, env)  # fail here, clearly, on a bad demo config
@@ -106,20 +118,23 @@ def main(argv: list[str] | None = None) -> int:
             f"router          {router.url()}  (pid {router.pid}) connector={a.connector} "
             f"threshold={cfg.routing.threshold} tokens"
         )
+        print(f"model           {cfg.model.served_name}  (clients send this as `model`)")
         client = openai.OpenAI(base_url=router.url() + "/v1", api_key="demo", max_retries=0)
         for label, content in (
             ("short", "What is disaggregated serving?"),
             ("long", LONG_DOC + "\nSummarise the text above."),
         ):
-            answer, route, ttft, total = _ask(client, content)
+            answer, route, ttft, total = _ask(client, cfg.model.served_name, content)
             print(
                 f"\n[{label} request: {len(content)} chars] route={route} "
                 f"TTFT={ttft * 1000:.0f} ms total={total * 1000:.0f} ms"
             )
             print(f"  answer: {answer.strip()}")
-        print(f"\nmetrics: {router.url()}/metrics   logs: {Path(stack.workdir)}")
         if a.once:
+            print(f"\nlogs (kept): {logs}")
             return 0
+        print(f"\nmetrics: {router.url()}/metrics   logs (kept): {logs}")
+        print(f"try: curl -s {router.url()}/v1/models")
         print("stack is up; Ctrl-C to stop")
         try:
             while not stop["now"]:
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
-        print("\nstopping")
+        print(f"\nstopping (logs kept in {logs})")
     return 0
 
 
