@@ -6,6 +6,8 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := pip==25.3
+# A missing interpreter is named, with the way out, instead of make's "Error 127".
+NEED_PYTHON = command -v $(PYTHON) >/dev/null 2>&1 || { echo "venv: $(PYTHON) not found: install Python 3.11, or name one with make <target> PYTHON=/path/to/python3.11" >&2; exit 2; }
 # HELM4, HELM3 (paths) and their versions: pinned in scripts/tools.env only.
 include scripts/tools.env
 HELM ?= $(HELM4)
@@ -18,7 +20,7 @@ help: ## List the targets
 
 # pip prints its progress to stderr, as every installer here does: `make render > x.yaml` stays manifests only.
 $(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml router/dev/pyproject.toml)
-	@test -x $(PY) || { echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }
+	@test -x $(PY) || { $(NEED_PYTHON); echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }
 	@echo "venv: installing requirements-dev.txt, router[test] and router/dev into $(VENV) (first run: a minute or two)" >&2
 	@$(PY) -m pip install --upgrade $(PIP) >&2
 	@$(PY) -m pip install -r requirements-dev.txt >&2
@@ -64,7 +66,7 @@ docs: helm ## Regenerate values.schema.json descriptions and the chart README va
 # the test toolchain); a full install (.installed) covers it too.
 $(VENV)/.demo: $(wildcard router/pyproject.toml router/dev/pyproject.toml)
 	@if [ -f $(VENV)/.installed ] && [ $(VENV)/.installed -nt router/pyproject.toml ]; then touch $@; exit 0; fi; \
-	test -x $(PY) || { echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }; \
+	test -x $(PY) || { $(NEED_PYTHON); echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }; \
 	echo "venv: installing the router, the simulator and the openai client into $(VENV)" >&2; \
 	$(PY) -m pip install --upgrade $(PIP) >&2 && $(PY) -m pip install -e 'router[demo]' -e router/dev >&2 && touch $@
 

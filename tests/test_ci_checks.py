@@ -262,3 +262,17 @@ def test_version_bump_against_base_ref_and_new_files(chart_repo: Path, capsys: p
     assert "new.yaml" in capsys.readouterr().err
     assert version_bump.main(chart_repo, env={"BASE_REF": "no-such-ref"}) == 1
     assert "not a commit here" in capsys.readouterr().err
+
+
+def test_a_missing_python_is_named_with_the_way_out(tmp_path) -> None:
+    """`make demo` with no such interpreter: one line naming it and PYTHON=, not make's Error 127."""
+    out = subprocess.run(
+        ["make", "-s", "demo", f"VENV={tmp_path / 'venv'}", "PYTHON=python3.99-absent"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode != 0
+    assert "python3.99-absent not found" in out.stderr and "PYTHON=/path/to/python3.11" in out.stderr
+    assert "Error 127" not in out.stderr
