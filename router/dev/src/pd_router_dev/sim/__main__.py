@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         default=SimConfig.num_gpu_blocks,
         help="KV-cache blocks (16 tokens each) behind vllm:kv_cache_usage_perc",
     )
+    p.add_argument(
+        "--step-time",
+        choices=["sum", "max"],
+        default=SimConfig.step_time,
+        help="a step's duration: prefill + decode time (sum), or the larger of its "
+        "compute-bound and memory-bound times (max, a roofline; see sim/engine.py)",
+    )
     a = p.parse_args(argv)
     if a.max_num_batched_tokens < 1 or a.max_num_seqs < 1 or a.num_gpu_blocks_override < 1:
         p.error(
@@ -91,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         num_gpu_blocks=a.num_gpu_blocks_override,
+        step_time=a.step_time,
     )
     return cfg, a.port_file
 

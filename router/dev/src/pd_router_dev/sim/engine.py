@@ -11,9 +11,20 @@ chunk of at most the remaining budget. A long prompt thus spans several steps an
 colocated decode stalls for one chunk per step, not for a whole prompt. A sequence samples
 a token at the end of the step that finishes its prompt and of every decode step after.
 
-Step time = ``prefill_ms_per_token`` x prompt tokens computed in the step + (when the step
-decodes anything) ``decode_step_ms + decode_step_ms_per_seq`` x decoding sequences, all
-times ``slow_factor`` under the ``slow`` fault.
+Step time (``step_time``), all times ``slow_factor`` under the ``slow`` fault:
+
+- ``sum`` (the default): ``prefill_ms_per_token`` x prompt tokens computed in the step + (when
+  the step decodes anything) ``decode_step_ms + decode_step_ms_per_seq`` x decoding sequences;
+- ``max`` (a roofline, what ``make bench``'s mixed-traffic scenario uses): the larger of the
+  compute-bound time, ``prefill_ms_per_token`` x every token of the step (prompt chunks and
+  decode tokens alike), and the memory-bound time, ``decode_step_ms`` (one read of the
+  weights, paid by any forward pass) + ``decode_step_ms_per_seq`` x decoding sequences (their
+  KV). Decode tokens batched with a prefill chunk then cost almost nothing, which is why vLLM
+  schedules them together (chunked prefill after Sarathi-Serve, Agrawal et al., OSDI 2024;
+  vLLM's docs/configuration/optimization.md "Chunked Prefill": compute-bound prefills and
+  memory-bound decodes in one batch). ``sum`` charges a mixed step both, so it is
+  pessimistic for a colocated engine, and makes a 1-token prefill step almost free, which
+  is optimistic for a disaggregated decoder; ``max`` is fair to both.
 
 Not modelled: preemption and KV-cache capacity limits on admission, prefix caching (every
 prompt token not delivered by a KV connector is computed), ``long_prefill_token_threshold``,
@@ -279,8 +290,18 @@ class Engine:
             budget -= take
         return batch
 
-    async def _run(self) -> None:
+    def _step_ms(self, prefill: int, decodes: int) -> float:
+        """One step's duration (ms) before ``slow_factor``; see the module docstring."""
         c = self.cfg
+        if getattr(c, "step_time", "sum") == "max":
+            memory = c.decode_step_ms + c.decode_step_ms_per_seq * decodes
+            return max(c.prefill_ms_per_token * (prefill + decodes), memory)
+        ms = c.prefill_ms_per_token * prefill
+        if decodes:
+            ms += c.decode_step_ms + c.decode_step_ms_per_seq * decodes
+        return ms
+
+    async def _run(self) -> None:
         while True:
             self.running = [s for s in self.running if not (s.cancelled or s.done)]
             while self.waiting and self.waiting[0].cancelled:
@@ -292,9 +313,7 @@ class Engine:
             batch = self._schedule(time.monotonic())
             prefill = sum(take for _, take, is_prefill in batch if is_prefill)
             decodes = sum(1 for _, _, is_prefill in batch if not is_prefill)
-            ms = c.prefill_ms_per_token * prefill
-            if decodes:
-                ms += c.decode_step_ms + c.decode_step_ms_per_seq * decodes
+            ms = self._step_ms(prefill, decodes)
             await self.sleep(ms * self._factor() / 1000)
             now = time.monotonic()
             sampled = 0
