@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 DEMO_CONFIG = Path(__file__).with_name("demo-config.yaml")
@@ -56,8 +56,30 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
 
 
+def pinned(cpus: Collection[int] | None, batch: bool = False) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that pins the child (and whatever it starts) to ``cpus`` before exec;
+    None leaves it where it is. ``batch``: SCHED_BATCH as well, so that it never preempts
+    the task running when it wakes up (two processes sharing a CPU then take turns by the
+    batch, not by the message)."""
+    if not cpus and not batch:
+        return None
+    chosen = set(cpus or ())
+
+    def pin() -> None:
+        if chosen:
+            os.sched_setaffinity(0, chosen)
+        if batch:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+    return pin
+
+
 def _spawn(
-    name: str, args: Sequence[str], workdir: Path, env: Mapping[str, str] | None = None
+    name: str,
+    args: Sequence[str],
+    workdir: Path,
+    env: Mapping[str, str] | None = None,
+    cpus: Collection[int] | None = None,
 ) -> Proc:
     port_file = workdir / f"{name}.port"
     with contextlib.suppress(FileNotFoundError):
@@ -73,6 +95,7 @@ def _spawn(
             stdin=subprocess.DEVNULL,
             env=full_env,
             start_new_session=True,
+            preexec_fn=pinned(cpus),  # noqa: PLW1509 - sched_setaffinity only
         )
     proc = Proc(name, popen, log, 0)
     deadline = time.monotonic() + 60
@@ -92,6 +115,25 @@ def vllm_router_binary() -> Path:
     import shutil
 
     return Path(shutil.which("vllm-router") or Path(sys.executable).with_name("vllm-router"))
+
+
+def vllm_router_regular_command(worker_urls: Sequence[str], port: int, *extra: str) -> list[str]:
+    """``vllm-router`` (0.1.17) in its regular mode (no disaggregation) over ``worker_urls``
+    on 127.0.0.1:port, round robin: the peer of our router's direct route in ``make bench``."""
+    return [
+        str(vllm_router_binary()),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
 def vllm_router_command(prefill_url: str, decode_url: str, port: int, *extra: str) -> list[str]:
@@ -116,15 +158,23 @@ def vllm_router_command(prefill_url: str, decode_url: str, port: int, *extra: st
     ]
 
 
-def start_sim(name: str, workdir: Path, *args: str) -> Proc:
-    return _spawn(name, [sys.executable, "-m", "pd_router_dev.sim", *args], workdir)
+def start_sim(name: str, workdir: Path, *args: str, cpus: Collection[int] | None = None) -> Proc:
+    return _spawn(name, [sys.executable, "-m", "pd_router_dev.sim", *args], workdir, cpus=cpus)
 
 
 def start_router(
-    name: str, workdir: Path, config: Path | str, env: Mapping[str, str] | None = None
+    name: str,
+    workdir: Path,
+    config: Path | str,
+    env: Mapping[str, str] | None = None,
+    cpus: Collection[int] | None = None,
 ) -> Proc:
     return _spawn(
-        name, [sys.executable, "-m", "pd_router", "serve", "--config", str(config)], workdir, env
+        name,
+        [sys.executable, "-m", "pd_router", "serve", "--config", str(config)],
+        workdir,
+        env,
+        cpus,
     )
 
 
@@ -182,15 +232,26 @@ class Stack:
         self.workdir = workdir
         self.procs: list[Proc] = []
 
-    def sim(self, name: str, *args: str) -> Proc:
-        p = start_sim(name, self.workdir, *args)
+    def sim(self, name: str, *args: str, cpus: Collection[int] | None = None) -> Proc:
+        p = start_sim(name, self.workdir, *args, cpus=cpus)
         self.procs.append(p)
         return p
 
-    def router(self, name: str, config: Path | str, env: Mapping[str, str] | None = None) -> Proc:
-        p = start_router(name, self.workdir, config, env)
+    def router(
+        self,
+        name: str,
+        config: Path | str,
+        env: Mapping[str, str] | None = None,
+        cpus: Collection[int] | None = None,
+    ) -> Proc:
+        p = start_router(name, self.workdir, config, env, cpus)
         self.procs.append(p)
         return p
+
+    def adopt(self, proc: Proc) -> Proc:
+        """Stop ``proc`` with the others (a process started some other way)."""
+        self.procs.append(proc)
+        return proc
 
     def notify_sidecar(self, name: str, zmq_port: int, *args: str) -> Proc:
         p = start_notify_sidecar(name, self.workdir, zmq_port, *args)

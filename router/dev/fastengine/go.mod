@@ -1,0 +1,3 @@
+module pdinference.dev/fastengine
+
+go 1.22
