@@ -1,366 +1,932 @@
-"""``make bench``: our router vs the Rust ``vllm-router`` vs engines directly, one run.
+"""``make bench``: our router against the Rust ``vllm-router`` 0.1.17 (PyPI) and against the
+engine directly, one run, plus a mixed-traffic scenario on simulated engines that take time.
 
-Zero-delay simulated engines; targets measured alternately cell by cell (concurrency x
-streaming): the engine directly, our router on its direct route, our router disaggregated
-with NIXL and with LMCache, and ``vllm-router`` (PyPI) in ``--vllm-pd-disaggregation`` mode
-(round_robin) against the same NIXL engines. Reports p50/p99 latency and the latency added
-over the engine, requests/s, and router CPU time per request (utime+stime from /proc).
-The load generator is a separate uvloop/aiohttp process.
+Throughput matrix (every cell the same chat completions body, 16 output tokens, at each client
+concurrency; not streamed, streamed with the engine writing each stream at once, and streamed
+with one engine write per token 5 ms apart, as tokens come from a real engine):
+
+- the engine directly: ``fastengine`` (Go, router/dev/fastengine), a zero-delay engine fast
+  enough that it and the load generator are never what is measured (its figure is shown: it
+  must be at least 3x the fastest router's);
+- our router's direct route vs ``vllm-router`` in its regular mode, on the same engine;
+- our router's NIXL route vs ``vllm-router --vllm-pd-disaggregation``, same prefill and decode
+  engines, round robin both;
+- our router's LMCache route (``notificationReceiver: prefillSidecar``, the engine answering
+  the sidecar's wait at once);
+- our direct route again with ``logging.level: info`` (the default: one JSON access line per
+  request) against ``warning``, which the other rows use, to show what the line costs.
+
+Each router process is pinned to the same CPU set (``--router-cpus``; the engine and the load
+generator get the others), our router started with ``listen.workers`` = that many CPUs. Every
+cell is measured ``--rounds`` times, the targets in turn (reversed every other round), and
+the best round counts: whatever else runs on the machine only ever lowers a figure.
+Reported per cell: requests/s, latency p50/p99 and what the router adds over the engine,
+TTFT for streams, router CPU per request (utime+stime of the router and its children, from
+/proc), how many cores it kept busy, and its RSS under load (the sum over its processes);
+then the ratios ours / vllm-router against the targets of issue 15. One JSON line per cell
+and round goes next to the markdown table (``--out x.md`` also writes ``x.jsonl``).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
+import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pd_router_dev import fastengine, mixed
 from pd_router_dev.devstack import (
     DEMO_CONFIG,
+    Proc,
     Stack,
     free_port,
+    pinned,
     vllm_router_binary,
     vllm_router_command,
+    vllm_router_regular_command,
 )
 
 MODEL = "llama-3.3-70b"
 PROMPT = "Explain in one paragraph why long prompts should be prefilled on separate engines."
+MAX_TOKENS = 16
 CLK = os.sysconf("SC_CLK_TCK")
+PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+# issue 15's targets, ours / vllm-router
+CPU_TARGET = 0.8  # CPU per request at most
+RPS_TARGET = 1.2  # requests/s at least
+ADDED_P50_TARGET = 1.0  # added p50 latency at c=1 at most
+LMCACHE_RPS_TARGET = 0.8  # LMCache route / NIXL route, requests/s at least
+LMCACHE_CPU_TARGET = 1.2  # and CPU per request at most
+ENGINE_HEADROOM = 3.0  # the engine directly vs the fastest router
+
+# How the client asks and the engine answers: "no" stream; "yes" a stream the engine writes at
+# once (the cells that load the routers most); "paced" a stream written one SSE event per write
+# with PACE_MS before each token, as a real engine's tokens arrive (chunks reach the router
+# one by one; the engine, not the router, sets the request rate, so CPU per request and added
+# latency are what compare the routers there); "per-token" the same without pauses (not a
+# default: the engine and the load generator, sharing their CPUs, then do more work per
+# request than a router, so the cell measures them).
+MODES = ("no", "yes", "paced", "per-token")
+DEFAULT_MODES = ("no", "yes", "paced")
+PACE_MS = 5
+ENGINE_WRITES = {
+    "no": "request",
+    "yes": "request",
+    "paced": f"token {PACE_MS}ms",
+    "per-token": "token",
+}
 
 
-# --------------------------------------------------------------------------- load generator
-async def _loadgen(url: str, conc: int, duration: float, stream: bool, warmup: float) -> dict:
-    import aiohttp
-
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": 16,
-            "ignore_eos": True,
-            "stream": stream,
-        }
-    ).encode()
-    hdrs = {"Content-Type": "application/json"}
-    lat: list[float] = []
-    errors = 0
-    done_all = 0
-    count_from = time.perf_counter() + warmup
-    end = count_from + duration
-    conn = aiohttp.TCPConnector(limit=conc, force_close=False)
-    async with aiohttp.ClientSession(connector=conn) as s:
-
-        async def worker() -> None:
-            nonlocal errors, done_all
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= end:
-                    return
-                try:
-                    async with s.post(url, data=body, headers=hdrs) as r:
-                        if stream:
-                            async for _ in r.content.iter_any():
-                                pass
-                        else:
-                            await r.read()
-                        ok = r.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                t1 = time.perf_counter()
-                done_all += 1
-                if t0 >= count_from and t1 <= end:
-                    if ok:
-                        lat.append(t1 - t0)
-                    else:
-                        errors += 1
-
-        await asyncio.gather(*(worker() for _ in range(conc)))
-    lat.sort()
-    n = len(lat)
-    return {
-        "n": n,
-        "n_all": done_all,
-        "errors": errors,
-        "rps": n / duration,
-        "p50": lat[n // 2] * 1000 if n else float("nan"),
-        "p99": lat[min(n - 1, int(n * 0.99))] * 1000 if n else float("nan"),
-        "mean": statistics.fmean(lat) * 1000 if n else float("nan"),
-    }
-
-
-def loadgen_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--url", required=True)
-    p.add_argument("--conc", type=int, required=True)
-    p.add_argument("--duration", type=float, required=True)
-    p.add_argument("--warmup", type=float, default=0.5)
-    p.add_argument("--stream", action="store_true")
-    a = p.parse_args(argv)
-    import uvloop
-
-    res = uvloop.run(_loadgen(a.url, a.conc, a.duration, a.stream, a.warmup))
-    print(json.dumps(res))
-    return 0
-
-
-# --------------------------------------------------------------------------- orchestration
-def _cpu_seconds(pid: int) -> float:
-    """utime+stime of a process and all its descendants (threads included)."""
-    total = 0.0
-    todo = [pid]
+# --------------------------------------------------------------------------- /proc
+def _descendants(pid: int) -> list[int]:
+    """pid and every process below it (children of any of its threads)."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(k) for k in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of a process and all its descendants (their threads included)."""
+    total = 0.0
+    for p in _descendants(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / CLK
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-            todo += [int(k) for k in kids]
-        except (OSError, IndexError, ValueError):
-            continue
     return total
 
 
-def _router_config(workdir: Path, name: str, over: dict[str, Any]) -> Path:
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process and its descendants (sum of their RSS), MB."""
+    kb = 0
+    for p in _descendants(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            kb += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE_KB
+    return kb / 1024
+
+
+# --------------------------------------------------------------------------- targets
+@dataclass
+class Target:
+    key: str  # stable id in the JSON lines
+    label: str
+    impl: str  # engine | ours | vllm-router
+    route: str  # engine | direct | nixl | lmcache
+    url: str
+    pid: int | None = None
+    workers: int = 0
+    logging: str = ""
+    modes: tuple[str, ...] = MODES  # the modes it is measured in
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    router_cpus: list[int] | None
+    other_cpus: list[int] | None
+    notes: list[str] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    engine_url: str = ""
+    engine_writes: str = "request"  # fastengine's -flush default
+
+
+def _cpu_sets(n_router: int | None) -> tuple[list[int] | None, list[int] | None, str]:
+    avail = sorted(os.sched_getaffinity(0))
+    if n_router is None:
+        n_router = max(1, len(avail) // 2)
+    if len(avail) < 2 or n_router < 1 or n_router >= len(avail):
+        return (
+            None,
+            None,
+            (
+                f"not pinned: {len(avail)} CPU(s) available, --router-cpus {n_router} leaves none "
+                "for the engine and the load generator"
+            ),
+        )
+    r, o = avail[:n_router], avail[n_router:]
+    return r, o, f"routers pinned to CPU {_cpus(r)}, engine and load generator to CPU {_cpus(o)}"
+
+
+def _cpus(cs: list[int]) -> str:
+    return ",".join(map(str, cs))
+
+
+def _router_config(
+    workdir: Path, name: str, over: dict[str, Any], workers: int | None, level: str
+) -> Path:
     cfg = yaml.safe_load(DEMO_CONFIG.read_text())
     for k, v in over.items():
         cfg[k] = {**cfg.get(k, {}), **v}
-    cfg["logging"] = {"level": "warning", "logPrompts": False}
+    if workers is not None:
+        cfg["listen"] = {**cfg["listen"], "workers": workers}
+    cfg["logging"] = {"level": level, "logPrompts": False}
     cfg["health"] = {**cfg["health"], "intervalSeconds": 5}
+    cfg["limits"] = {**cfg["limits"], "maxInFlight": 1024, "maxQueued": 1024}
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def _start_ours(
+    b: Bench, st: Stack, name: str, over: dict[str, Any], level: str
+) -> tuple[Proc, int]:
+    """Our router with listen.workers = the router CPU count; a router that does not know the
+    key yet is started with one worker (noted)."""
+    want = len(b.router_cpus) if b.router_cpus else 1
+    cfg = _router_config(st.workdir, name, over, want, level)
+    try:
+        return st.router(name, cfg, cpus=b.router_cpus), want
+    except RuntimeError as exc:
+        if "workers" not in str(exc):
+            raise
+    note = "this router refuses listen.workers: ours ran ONE worker process"
+    if note not in b.notes:
+        b.notes.append(note)
+    return st.router(
+        name, _router_config(st.workdir, name, over, None, level), cpus=b.router_cpus
+    ), 1
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     end = time.monotonic() + timeout
     while True:
         try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
         except OSError:
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"{url} never came up") from None
-            time.sleep(0.1)
+            pass
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(f"{url} never answered 200")
+        time.sleep(0.05)
+
+
+def _start_vllm_router(b: Bench, st: Stack, name: str, cmd: list[str], port: int) -> int | None:
+    with open(st.workdir / f"{name}.log", "wb") as log:  # the child keeps its own copy
+        p = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=pinned(b.router_cpus),  # noqa: PLW1509 - sched_setaffinity only
+        )
+    b.procs.append(p)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", p)
+    except RuntimeError as exc:
+        tail = (st.workdir / f"{name}.log").read_text(errors="replace")[-800:]
+        b.notes.append(f"{name} did not start: {exc}: {tail}")
+        return None
+    return p.pid
+
+
+def _targets(b: Bench, st: Stack) -> list[Target]:
+    wd = st.workdir
+    eng, ports, sidecar = fastengine.start_engine(wd, "fastengine", 2, True, b.other_cpus)
+    st.adopt(eng)
+    pre, dec = (f"http://127.0.0.1:{p}" for p in ports)
+    b.engine_url = dec
+    nx_pools = {
+        "prefill": {"discovery": "static", "static": [pre]},
+        "decode": {"discovery": "static", "static": [dec]},
+    }
+    direct_over = {"routing": {"connector": "nixl", "threshold": 1 << 30}, "pools": nx_pools}
+    out = [Target("engine", "engine directly (fastengine)", "engine", "engine", dec)]
+
+    r, w = _start_ours(b, st, "ours-direct", direct_over, "warning")
+    out.append(
+        Target("ours-direct", "ours: direct route", "ours", "direct", r.url(), r.pid, w, "warning")
+    )
+    vr_missing = not vllm_router_binary().exists()
+    if vr_missing:
+        b.notes.append("vllm-router is not installed (pip install 'pd-router[test]'): no peer rows")
+    else:
+        port = free_port()
+        cmd = vllm_router_regular_command(
+            [dec],
+            port,
+            "--max-concurrent-requests",
+            "1024",
+            "--queue-size",
+            "1024",
+            "--prometheus-port",
+            str(free_port()),
+        )
+        pid = _start_vllm_router(b, st, "vllm-router-regular", cmd, port)
+        if pid:
+            out.append(
+                Target(
+                    "vr-regular",
+                    "vllm-router: regular mode",
+                    "vllm-router",
+                    "direct",
+                    f"http://127.0.0.1:{port}",
+                    pid,
+                )
+            )
+    r, w = _start_ours(b, st, "ours-direct-info", direct_over, "info")
+    out.append(
+        Target(
+            "ours-direct-info",
+            "ours: direct route, logging.level info",
+            "ours",
+            "direct",
+            r.url(),
+            r.pid,
+            w,
+            "info",
+            modes=("no",),
+        )
+    )
+    r, w = _start_ours(
+        b,
+        st,
+        "ours-nixl",
+        {"routing": {"connector": "nixl", "threshold": 0}, "pools": nx_pools},
+        "warning",
+    )
+    out.append(
+        Target("ours-nixl", "ours: NIXL route", "ours", "nixl", r.url(), r.pid, w, "warning")
+    )
+    if not vr_missing:
+        port = free_port()
+        cmd = vllm_router_command(
+            pre,
+            dec,
+            port,
+            "--max-concurrent-requests",
+            "1024",
+            "--queue-size",
+            "1024",
+            "--prometheus-port",
+            str(free_port()),
+        )
+        pid = _start_vllm_router(b, st, "vllm-router-pd", cmd, port)
+        if pid:
+            out.append(
+                Target(
+                    "vr-pd",
+                    "vllm-router: PD mode (NIXL)",
+                    "vllm-router",
+                    "nixl",
+                    f"http://127.0.0.1:{port}",
+                    pid,
+                )
+            )
+    lm_over = {
+        "routing": {"connector": "lmcache", "threshold": 0},
+        "pools": nx_pools,
+        "lmcache": {
+            "notificationReceiver": "prefillSidecar",
+            "sidecarPort": sidecar,
+            "notifyBindHost": "127.0.0.1",
+            "notifyPort": free_port(),
+        },
+    }
+    r, w = _start_ours(b, st, "ours-lmcache", lm_over, "warning")
+    out.append(
+        Target(
+            "ours-lmcache",
+            "ours: LMCache route (sidecar)",
+            "ours",
+            "lmcache",
+            r.url(),
+            r.pid,
+            w,
+            "warning",
+        )
+    )
+    for t in out:  # every target answers before anything is measured
+        _probe(t)
+    return out
+
+
+def _probe(t: Target) -> None:
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ).encode()
+    req = urllib.request.Request(
+        t.url + "/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    end = time.monotonic() + 30
+    while True:  # a router answers 503 until its first health round saw the engines
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"{t.label} at {t.url} does not answer a chat completion")
+        time.sleep(0.05)
+
+
+def _body(stream: bool) -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+
+
+def _engine_writes(b: Bench, mode: str) -> None:
+    """Tell the engine how to write streams (one write per stream or per token)."""
+    want = ENGINE_WRITES[mode]
+    if b.engine_writes == want:
+        return
+    req = urllib.request.Request(b.engine_url + "/fastengine/flush", want.encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        r.read()
+    b.engine_writes = want
+
+
+def measure(b: Bench, t: Target, conc: int, mode: str) -> dict[str, Any]:
+    a = b.args
+    stream = mode != "no"
+    _engine_writes(b, mode)
+    cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
+    w0 = time.monotonic()
+    p = fastengine.run_load(
+        t.url + "/v1/chat/completions",
+        _body(stream),
+        conc,
+        a.duration,
+        a.warmup,
+        stream,
+        b.other_cpus,
+    )
+    rss = 0.0
+    limit = time.monotonic() + a.warmup + a.duration + 60
+    while True:  # sample the router's memory while the load runs
+        try:
+            p.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if t.pid:
+                rss = max(rss, rss_mb(t.pid))
+            if time.monotonic() > limit:
+                p.kill()
+    res = fastengine.load_result(p, 10)
+    wall = time.monotonic() - w0
+    row: dict[str, Any] = {
+        "kind": "cell",
+        "target": t.key,
+        "label": t.label,
+        "impl": t.impl,
+        "route": t.route,
+        "conc": conc,
+        "mode": mode,
+        "stream": stream,
+        "engine_writes": b.engine_writes,
+        "rps": res["rps"],
+        "p50_ms": res["p50_ms"],
+        "p99_ms": res["p99_ms"],
+        "ttft_p50_ms": res["ttft_p50_ms"],
+        "requests": res["requests"],
+        "errors": res["errors"],
+        "errors_all": res["errors_all"],
+        "requests_all": res["requests_all"],
+        "first_error": res.get("first_error", ""),
+        "duration_s": a.duration,
+        "max_tokens": MAX_TOKENS,
+        "router_cpus": b.router_cpus,
+        "workers": t.workers or None,
+        "logging": t.logging or None,
+    }
+    if t.pid:
+        cpu = cpu_seconds(t.pid) - cpu0
+        n = max(1, res["requests_all"])
+        row.update(cpu_us_per_req=cpu * 1e6 / n, cores_busy=cpu / wall, rss_mb=rss)
+    return row
+
+
+# --------------------------------------------------------------------------- tables
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def _ok(v: float | None, target: float, at_most: bool) -> str:
+    if v is None:
+        return "-"
+    good = v <= target if at_most else v >= target
+    return f"{v:.2f} {'✓' if good else '✗'}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def _row(*cols: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cols) + " |"
+
+
+def _cell_table(cells: list[dict[str, Any]], concs: list[int], by: dict[Any, Any]) -> list[str]:
+    lines = [
+        _row(
+            "clients",
+            "stream",
+            "target",
+            "req/s",
+            "p50 ms",
+            "p99 ms",
+            "added p50 ms",
+            "TTFT p50 ms",
+            "CPU µs/req",
+            "cores busy",
+            "RSS MB",
+            "errors",
+        ),
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = list(dict.fromkeys(c["target"] for c in cells))  # as started
+    for conc in concs:
+        for mode in MODES:
+            base = by.get(("engine", conc, mode))
+            for key in order:
+                c = by.get((key, conc, mode))
+                if c is None:
+                    continue
+                added = None
+                if base and key != "engine" and None not in (c["p50_ms"], base["p50_ms"]):
+                    added = c["added_p50_ms"] = c["p50_ms"] - base["p50_ms"]
+                lines.append(
+                    _row(
+                        conc,
+                        mode,
+                        c["label"],
+                        f"{c['rps']:.0f}",
+                        _f(c["p50_ms"]),
+                        _f(c["p99_ms"]),
+                        _f(added, "{:+.3f}"),
+                        _f(c["ttft_p50_ms"]) if mode != "no" else "-",
+                        _f(c.get("cpu_us_per_req"), "{:.0f}"),
+                        _f(c.get("cores_busy")),
+                        _f(c.get("rss_mb"), "{:.0f}"),
+                        c["errors"],
+                    )
+                )
+    return lines
+
+
+def _headroom(
+    cells: list[dict[str, Any]], concs: list[int], by: dict[Any, Any], extra: list[Any]
+) -> list[str]:
+    lines = [
+        "",
+        f"**The engine directly vs the fastest router** (at least {ENGINE_HEADROOM:g} times, "
+        "or the engine is what is measured; not the paced cells, whose rate the engine's "
+        "pauses set):",
+        "",
+        _row("clients", "stream", "engine req/s", "fastest router", "its req/s", "engine / it"),
+        "|---:|---|---:|---|---:|---:|",
+    ]
+    for conc in concs:
+        for mode in MODES:
+            if mode == "paced":
+                continue
+            base = by.get(("engine", conc, mode))
+            routers = [
+                c
+                for c in by.values()
+                if c["conc"] == conc and c["mode"] == mode and c["impl"] != "engine"
+            ]
+            if not base or not routers:
+                continue
+            top = max(routers, key=lambda c: c["rps"])
+            r = _ratio(base["rps"], top["rps"])
+            extra.append(
+                {
+                    "kind": "headroom",
+                    "conc": conc,
+                    "mode": mode,
+                    "engine_rps": base["rps"],
+                    "fastest": top["target"],
+                    "fastest_rps": top["rps"],
+                    "ratio": r,
+                }
+            )
+            lines.append(
+                _row(
+                    conc,
+                    mode,
+                    f"{base['rps']:.0f}",
+                    top["label"],
+                    f"{top['rps']:.0f}",
+                    _ok(r, ENGINE_HEADROOM, False),
+                )
+            )
+    return lines
+
+
+PAIRS = (
+    ("direct", "ours-direct", "vr-regular", "direct route / regular mode"),
+    ("nixl", "ours-nixl", "vr-pd", "NIXL route / PD mode"),
+)
+
+
+def _peer_ratios(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[str]:
+    lines = [
+        "",
+        f"**Ours / vllm-router** (targets: CPU per request at most {CPU_TARGET}, req/s at least "
+        f"{RPS_TARGET}, added p50 at c=1 at most {ADDED_P50_TARGET}; RSS for information; "
+        "paced rows: their req/s is set by the engine, CPU per request is what counts):",
+        "",
+        _row("pair", "stream", "clients", "CPU/req", "req/s", "added p50", "RSS"),
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for route, ours, theirs, label in PAIRS:
+        for mode in MODES:
+            for conc in concs:
+                o, t = by.get((ours, conc, mode)), by.get((theirs, conc, mode))
+                if not o or not t:
+                    continue
+                cpu = _ratio(o.get("cpu_us_per_req"), t.get("cpu_us_per_req"))
+                rps = _ratio(o["rps"], t["rps"])
+                add = _ratio(o.get("added_p50_ms"), t.get("added_p50_ms"))
+                mem = _ratio(o.get("rss_mb"), t.get("rss_mb"))
+                extra.append(
+                    {
+                        "kind": "ratio",
+                        "pair": route,
+                        "ours": ours,
+                        "theirs": theirs,
+                        "conc": conc,
+                        "mode": mode,
+                        "cpu_per_req": cpu,
+                        "rps": rps,
+                        "added_p50": add,
+                        "rss": mem,
+                        "cpu_ok": cpu is not None and cpu <= CPU_TARGET,
+                        "rps_ok": rps is not None and rps >= RPS_TARGET,
+                        "added_p50_ok": None
+                        if conc != 1
+                        else (add is not None and add <= ADDED_P50_TARGET),
+                    }
+                )
+                lines.append(
+                    _row(
+                        label,
+                        mode,
+                        conc,
+                        _ok(cpu, CPU_TARGET, True),
+                        _ok(rps, RPS_TARGET, False),
+                        _ok(add, ADDED_P50_TARGET, True) if conc == 1 else _f(add),
+                        _f(mem),
+                    )
+                )
+    return lines
+
+
+def _lmcache_vs_nixl(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[str]:
+    lines = [
+        "",
+        f"**Our LMCache route / our NIXL route** (targets: req/s at least {LMCACHE_RPS_TARGET}, "
+        f"CPU per request at most {LMCACHE_CPU_TARGET}):",
+        "",
+        _row("stream", "clients", "req/s", "CPU/req", "added p50"),
+        "|---|---:|---:|---:|---:|",
+    ]
+    for mode in MODES:
+        for conc in concs:
+            lm = by.get(("ours-lmcache", conc, mode))
+            nx = by.get(("ours-nixl", conc, mode))
+            if not lm or not nx:
+                continue
+            rps = _ratio(lm["rps"], nx["rps"])
+            cpu = _ratio(lm.get("cpu_us_per_req"), nx.get("cpu_us_per_req"))
+            add = _ratio(lm.get("added_p50_ms"), nx.get("added_p50_ms"))
+            extra.append(
+                {
+                    "kind": "lmcache_vs_nixl",
+                    "conc": conc,
+                    "mode": mode,
+                    "rps": rps,
+                    "cpu_per_req": cpu,
+                    "added_p50": add,
+                }
+            )
+            lines.append(
+                _row(
+                    mode,
+                    conc,
+                    _ok(rps, LMCACHE_RPS_TARGET, False),
+                    _ok(cpu, LMCACHE_CPU_TARGET, True),
+                    _f(add),
+                )
+            )
+    return lines
+
+
+def _log_line(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[str]:
+    lines = [
+        "",
+        "**What the per-request log line costs** (our direct route, non-streaming: "
+        "`logging.level: info`, the default, writes one JSON access line per request; "
+        "`warning`, as in every other row, none):",
+        "",
+        _row("clients", "req/s info / warning", "CPU µs/req info", "warning", "the line costs"),
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for conc in concs:
+        i, w = by.get(("ours-direct-info", conc, "no")), by.get(("ours-direct", conc, "no"))
+        if not i or not w:
+            continue
+        ci, cw = i.get("cpu_us_per_req"), w.get("cpu_us_per_req")
+        cost = None if ci is None or cw is None else ci - cw
+        rr = _ratio(i["rps"], w["rps"])
+        extra.append(
+            {
+                "kind": "log_line",
+                "conc": conc,
+                "rps_ratio": rr,
+                "cpu_us_info": ci,
+                "cpu_us_warning": cw,
+                "cost_us": cost,
+            }
+        )
+        lines.append(_row(conc, _f(rr), _f(ci, "{:.0f}"), _f(cw, "{:.0f}"), _f(cost, "{:+.0f} µs")))
+    return lines
+
+
+def _mixed_table(rows: list[dict[str, Any]]) -> list[str]:
+    spec = mixed.Spec(**rows[0]["spec"])
+    head = (
+        "setup",
+        "short TTFT p50 / p99 ms",
+        "short ITL p50 / p99 / p99.9 / max ms",
+        f"short requests stalled (an ITL > {rows[0]['stall_ms']:g} ms)",
+        "long TTFT p50 / max ms",
+        "long ITL p50 ms",
+        "requests (errors)",
+        "routes",
+    )
+    lines = [
+        "",
+        f"**Mixed traffic** ({spec.describe()}; our router pinned as above):",
+        "",
+        _row(*head),
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for m in rows:
+        routes = ", ".join(f"{k}: {v}" for k, v in sorted(m["routes"].items()))
+        itl = " / ".join(
+            [_f(m["short_itl_p50_ms"], "{:.1f}"), _f(m["short_itl_p99_ms"], "{:.1f}")]
+            + [_f(m[k], "{:.0f}") for k in ("short_itl_p999_ms", "short_itl_max_ms")]
+        )
+        lines.append(
+            _row(
+                m["setup"],
+                f"{_f(m['short_ttft_p50_ms'], '{:.0f}')} / {_f(m['short_ttft_p99_ms'], '{:.0f}')}",
+                itl,
+                _f(m["short_stalled_share"], "{:.0%}"),
+                f"{_f(m['long_ttft_p50_ms'], '{:.0f}')} / {_f(m['long_ttft_max_ms'], '{:.0f}')}",
+                _f(m["long_itl_p50_ms"], "{:.1f}"),
+                f"{m['requests']} ({m['errors']})",
+                routes,
+            )
+        )
+    return lines
+
+
+def render(
+    b: Bench, cells: list[dict[str, Any]], mixed_rows: list[dict[str, Any]], header: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """The markdown report and the derived rows (ratios etc., also written as JSON lines)."""
+    lines = [header, ""]
+    by = {(c["target"], c["conc"], c["mode"]): c for c in cells if c.get("best")}
+    concs = sorted({c["conc"] for c in cells})
+    extra: list[dict[str, Any]] = []
+    if cells:
+        lines += _cell_table(cells, concs, by)
+        lines += _headroom(cells, concs, by, extra)
+        lines += _peer_ratios(concs, by, extra)
+        lines += _lmcache_vs_nixl(concs, by, extra)
+        lines += _log_line(concs, by, extra)
+    if mixed_rows:
+        lines += _mixed_table(mixed_rows)
+    if b.notes:
+        lines += ["", *(f"Note: {n}" for n in b.notes)]
+    return "\n".join(lines), extra
+
+
+# --------------------------------------------------------------------------- main
+def _progress(row: dict[str, Any]) -> str:
+    return (
+        f"  c={row['conc']:<3d} stream={row['mode']:9s} {row['label']:38s} "
+        f"{row['rps']:8.0f} req/s  p50 {_f(row['p50_ms'], '{:7.3f}')} ms  "
+        f"CPU {_f(row.get('cpu_us_per_req'), '{:5.0f}')} µs/req  errors {row['errors']}"
+    )
+
+
+def _matrix(
+    b: Bench, concs: list[int], modes: list[str], pin_note: str, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Every cell, ``--rounds`` times, the targets in turn (reversed every other round); the
+    round with the most requests/s is each cell's figure (``best``: interference from
+    anything else on the machine only ever lowers it)."""
+    a = b.args
+    cells: list[dict[str, Any]] = []
+    with Stack() as st:
+        try:
+            targets = _targets(b, st)
+            say(f"bench: {len(targets)} targets; {pin_note}")
+            for conc in concs:
+                for mode in modes:
+                    if mode == "paced" and conc not in a.paced_concurrency:
+                        continue
+                    group = [t for t in targets if mode in t.modes]
+                    rounds: dict[str, list[dict[str, Any]]] = {t.key: [] for t in group}
+                    for r in range(a.rounds):
+                        for t in group if r % 2 == 0 else reversed(group):
+                            row = measure(b, t, conc, mode)
+                            row["round"] = r
+                            rounds[t.key].append(row)
+                            cells.append(row)
+                    for t in group:
+                        best = max(rounds[t.key], key=lambda row: row["rps"])
+                        best["best"] = True
+                        say(_progress(best))
+        finally:
+            for pr in b.procs:
+                pr.terminate()
+                try:
+                    pr.wait(5)
+                except subprocess.TimeoutExpired:
+                    pr.kill()
+                    pr.wait(5)
+    return cells
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "loadgen":
-        return loadgen_main(argv[1:])
-    p = argparse.ArgumentParser(prog="pd_router_dev.bench", description=__doc__)
-    p.add_argument("--duration", type=float, default=2.5, help="measured seconds per cell")
-    p.add_argument("--concurrency", default="1,32,256")
-    p.add_argument("--out", help="also write the markdown table here")
+    p = argparse.ArgumentParser(
+        prog="pd_router_dev.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--duration", type=float, default=1.2, help="measured seconds per cell and round"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=0.3, help="seconds of load before each measured window"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="measure every cell this many times, the targets in alternating order; the "
+        "best round counts (default 2)",
+    )
+    p.add_argument(
+        "--paced-concurrency",
+        default="32",
+        help=f"client counts of the paced-stream cells ({PACE_MS} ms between tokens)",
+    )
+    p.add_argument("--concurrency", default="1,32,256", help="client counts (default 1,32,256)")
+    p.add_argument(
+        "--router-cpus",
+        type=int,
+        default=None,
+        help="CPUs each router is pinned to (default: half of those available, at least 1); "
+        "the engine and the load generator get the rest; our router runs that many workers",
+    )
+    p.add_argument(
+        "--mixed-duration",
+        type=float,
+        default=mixed.Spec.duration,
+        help="seconds of mixed-traffic arrivals per setup",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help="no: not streamed; yes: streamed, the engine writing each stream at once; paced: "
+        f"one engine write per SSE event, {PACE_MS} ms apart; per-token: the same without "
+        f"pauses (default: {','.join(DEFAULT_MODES)})",
+    )
+    p.add_argument("--no-matrix", action="store_true", help="only the mixed-traffic scenario")
+    p.add_argument("--no-mixed", action="store_true", help="only the throughput matrix")
+    p.add_argument(
+        "--out",
+        default="bench-results/bench.md",
+        help="write the markdown table here and the JSON lines beside it (.jsonl)",
+    )
     a = p.parse_args(argv)
-    concs = [int(c) for c in a.concurrency.split(",")]
-    lines: list[str] = []
-    with Stack() as st:
-        wd = st.workdir
-        nx_pre = st.sim("b-nx-prefill", "--kv-connector", "nixl")
-        nx_dec = st.sim("b-nx-decode", "--kv-connector", "nixl")
-        notify, ip, ap = free_port(), free_port(), free_port()
-        lm_pre = st.sim(
-            "b-lm-prefill",
-            "--kv-connector",
-            "lmcache",
-            "--lmcache-role",
-            "sender",
-            "--pd-proxy-port",
-            str(notify),
-        )
-        lm_dec = st.sim(
-            "b-lm-decode",
-            "--kv-connector",
-            "lmcache",
-            "--lmcache-role",
-            "receiver",
-            "--pd-peer-init-port",
-            str(ip),
-            "--pd-peer-alloc-port",
-            str(ap),
-        )
-        nx_pools = {
-            "prefill": {"discovery": "static", "static": [nx_pre.url()]},
-            "decode": {"discovery": "static", "static": [nx_dec.url()]},
-        }
-        limits = {"maxInFlight": 1024, "maxQueued": 1024}
-        r_direct = st.router(
-            "b-ours-direct",
-            _router_config(
-                wd,
-                "b-ours-direct",
-                {
-                    "routing": {"connector": "nixl", "threshold": 1 << 30},
-                    "pools": nx_pools,
-                    "limits": limits,
-                },
-            ),
-        )
-        r_nixl = st.router(
-            "b-ours-nixl",
-            _router_config(
-                wd,
-                "b-ours-nixl",
-                {
-                    "routing": {"connector": "nixl", "threshold": 0},
-                    "pools": nx_pools,
-                    "limits": limits,
-                },
-            ),
-        )
-        r_lm = st.router(
-            "b-ours-lmcache",
-            _router_config(
-                wd,
-                "b-ours-lmcache",
-                {
-                    "routing": {"connector": "lmcache", "threshold": 0},
-                    "pools": {
-                        "prefill": {"discovery": "static", "static": [lm_pre.url()]},
-                        "decode": {"discovery": "static", "static": [lm_dec.url()]},
-                    },
-                    "lmcache": {
-                        "notifyPort": notify,
-                        "decoderInitPorts": [ip],
-                        "decoderAllocPorts": [ap],
-                        "notifyBindHost": "127.0.0.1",
-                    },
-                    "limits": limits,
-                },
-            ),
-        )
-        targets: list[tuple[str, str, int | None]] = [
-            ("engine (no router)", nx_dec.url(), None),
-            ("ours: direct route", r_direct.url(), r_direct.pid),
-            ("ours: disagg nixl", r_nixl.url(), r_nixl.pid),
-            ("ours: disagg lmcache", r_lm.url(), r_lm.pid),
-        ]
-        vr_note = ""
-        vr_proc: subprocess.Popen[bytes] | None = None
-        if vllm_router_binary().exists():
-            port = free_port()
-            vr_log = open(wd / "vllm-router.log", "wb")  # noqa: SIM115
-            vr_proc = subprocess.Popen(
-                vllm_router_command(
-                    nx_pre.url(),
-                    nx_dec.url(),
-                    port,
-                    "--max-concurrent-requests",
-                    "1024",
-                    "--queue-size",
-                    "1024",
-                ),
-                stdout=vr_log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                _wait_http(f"http://127.0.0.1:{port}/health", vr_proc)
-                targets.append(
-                    ("vllm-router 0.1.17: disagg nixl", f"http://127.0.0.1:{port}", vr_proc.pid)
-                )
-            except RuntimeError as exc:
-                vr_note = f"vllm-router did not start: {exc}"
-        else:
-            vr_note = "vllm-router is not installed (pip install 'pd-router[test]')"
+    concs = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    modes = [m for m in a.modes.split(",") if m.strip()]
+    a.paced_concurrency = [int(c) for c in a.paced_concurrency.split(",") if c.strip()]
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes: each one of {', '.join(MODES)}")
+    router_cpus, other_cpus, pin_note = _cpu_sets(a.router_cpus)
+    b = Bench(a, router_cpus, other_cpus)
+    say: Callable[[str], None] = lambda s: print(s, flush=True)  # noqa: E731
+    t_start = time.monotonic()
+    cells: list[dict[str, Any]] = []
+    mixed_rows: list[dict[str, Any]] = []
+    failed = False
+    if not a.no_matrix:
         try:
-            results: dict[tuple[str, int, bool], dict] = {}
-            for conc in concs:
-                for stream in (False, True):
-                    for name, base, pid in targets:
-                        cpu0 = _cpu_seconds(pid) if pid else 0.0
-                        out = subprocess.run(
-                            [
-                                sys.executable,
-                                "-m",
-                                "pd_router_dev.bench",
-                                "loadgen",
-                                "--url",
-                                base + "/v1/chat/completions",
-                                "--conc",
-                                str(conc),
-                                "--duration",
-                                str(a.duration),
-                            ]
-                            + (["--stream"] if stream else []),
-                            capture_output=True,
-                            text=True,
-                            check=True,
-                        )
-                        res = json.loads(out.stdout)
-                        cpu1 = _cpu_seconds(pid) if pid else 0.0
-                        # CPU over the whole loadgen run / every request it completed
-                        res["cpu_ms"] = (
-                            (cpu1 - cpu0) * 1000 / max(1, res["n_all"]) if pid else float("nan")
-                        )
-                        results[(name, conc, stream)] = res
-                        print(
-                            f"  {name:32s} c={conc:<3d} stream={stream!s:5s} "
-                            f"{res['rps']:8.0f} req/s p50 {res['p50']:7.2f} ms",
-                            flush=True,
-                        )
-        finally:
-            if vr_proc is not None:
-                vr_proc.terminate()
-                try:
-                    vr_proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    vr_proc.kill()
-        lines.append(
-            "| target | clients | stream | req/s | p50 ms | p99 ms | added p50 ms "
-            "| added p99 ms | router CPU ms/req | errors |"
-        )
-        lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-        for conc in concs:
-            for stream in (False, True):
-                base_res = results[(targets[0][0], conc, stream)]
-                for name, _, pid in targets:
-                    r = results[(name, conc, stream)]
-                    add50 = r["p50"] - base_res["p50"] if pid else 0.0
-                    add99 = r["p99"] - base_res["p99"] if pid else 0.0
-                    cpu = f"{r['cpu_ms']:.3f}" if pid else "-"
-                    lines.append(
-                        f"| {name} | {conc} | {'yes' if stream else 'no'} | {r['rps']:.0f} | "
-                        f"{r['p50']:.2f} | {r['p99']:.2f} | {add50:+.2f} | {add99:+.2f} | "
-                        f"{cpu} | {r['errors']} |"
-                    )
-        sat = max(concs)
-        lines.append("")
-        lines.append(
-            f"Saturated req/s (c={sat}, non-streaming): "
-            + ", ".join(f"{n}: {results[(n, sat, False)]['rps']:.0f}" for n, _, _ in targets)
-        )
-        vr_name = next((n for n, _, _ in targets if n.startswith("vllm-router")), None)
-        if vr_name:
-            ours, theirs = (
-                results[("ours: disagg nixl", sat, False)],
-                results[(vr_name, sat, False)],
-            )
-            lines.append(
-                f"Ratios ours(nixl)/vllm-router at c={sat}: req/s {ours['rps'] / theirs['rps']:.2f}"
-                f", CPU/req {ours['cpu_ms'] / theirs['cpu_ms']:.2f}"
-            )
-        if vr_note:
-            lines.append(f"Peer missing: {vr_note}")
-        lines.append(
-            f"({os.cpu_count()} CPUs; engines, routers and the load generator share "
-            "them; zero-delay engines; 16 output tokens; chat completions)"
-        )
-    table = "\n".join(lines)
+            fastengine.binary()  # built (once) before anything starts
+        except fastengine.BuildError as exc:
+            print(f"bench: {exc}", file=sys.stderr)
+            b.notes.append(f"no throughput matrix: {exc}")
+            failed = True
+        else:
+            cells = _matrix(b, concs, modes, pin_note, say)
+    if not a.no_mixed:
+        say("bench: mixed traffic on simulated engines")
+        spec = mixed.Spec(duration=a.mixed_duration)
+        mixed_rows = mixed.run(spec, router_cpus, other_cpus, say)
+    header = (
+        f"## make bench ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {pin_note}; "
+        f"our router with listen.workers = {len(router_cpus) if router_cpus else 1} unless noted; "
+        f"each cell the best of {a.rounds} rounds of {a.duration:g} s (after {a.warmup:g} s of "
+        "warm-up), the targets in alternating order; chat completions, "
+        f"{MAX_TOKENS} output tokens; engine: fastengine (Go, zero delay); stream `yes`: the "
+        f"engine writes each stream at once, `paced`: one write per token, {PACE_MS} ms apart; "
+        "vllm-router 0.1.17 --policy round_robin)"
+    )
+    table, extra = render(b, cells, mixed_rows, header)
     print()
     print(table)
     if a.out:
-        Path(a.out).write_text(table + "\n")
-    return 0
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table + "\n")
+        with open(out.with_suffix(".jsonl"), "w") as f:
+            for row in [*cells, *extra, *mixed_rows]:
+                f.write(json.dumps(row) + "\n")
+        took = time.monotonic() - t_start
+        print(f"\nbench: wrote {out} and {out.with_suffix('.jsonl')} in {took:.0f} s")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
