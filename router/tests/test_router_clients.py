@@ -117,6 +117,7 @@ def test_malformed_requests_never_log_keys_or_prompts(
     ):
         assert _send(router.port, *parts).split(b" ", 2)[1] == b"400", parts
     rid = _good_request(router)  # logged after every line of the requests above
+    wait_until(lambda: rid in router.log.read_text(errors="replace"), "the request line")
     log = router.log.read_text(errors="replace")
     assert key not in log and prompt not in log
     lines = _log_lines(router)

@@ -16,9 +16,9 @@ import asyncio
 import functools
 import logging
 import os
+import random
 import re
 import time
-import uuid
 from typing import Any
 
 import aiohttp
@@ -38,6 +38,7 @@ from pd_router.handoff import DirectRoute, Route, build_route
 from pd_router.handoff.lmcache import LMCacheRoute
 from pd_router.handoff.lmcache_notify import KvWaiter, build_waiter
 from pd_router.legs import Downstream, Legs
+from pd_router.logs import AccessLog
 from pd_router.metrics import MULTIPROC_ENV, Metrics
 from pd_router.openai_wire import (
     MAX_JSON_DEPTH,
@@ -56,6 +57,7 @@ from pd_router.tokens import TokenCounter, tokenizer_from_json
 from pd_router.upstream import UpstreamClient
 
 log = logging.getLogger("pd_router")
+_ids = random.Random()  # request ids the router makes (not secrets: an id, not a key)
 _RID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: "$" would admit a trailing newline
 _CTYPE_RE = re.compile(r"[\x21-\x7e][\x20-\x7e]{0,255}")  # a Content-Type relayed to an engine
 # How long an engine's /v1/models answer is reused, and how soon one is asked again after no
@@ -113,6 +115,7 @@ class Router:
         self.affinity_header = cfg.routing.session_affinity_header or None
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
+        self.access_log = AccessLog(log)  # after logs.setup: the level decides
         self._bg: list[asyncio.Task[None]] = []
         # /v1/models: the engines' cards of the served model, asked at most once a TTL
         self._cards: list[dict[str, Any]] = []  # the last good answer
@@ -332,7 +335,7 @@ class Router:
     ) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id")
         if not rid or not _RID_RE.fullmatch(rid):
-            rid = uuid.uuid4().hex
+            rid = f"{_ids.getrandbits(128):032x}"  # uuid4's syscall per request is not needed
         ctx = Ctx(rid, chat, request.path)
         status = 0
         try:
@@ -346,17 +349,9 @@ class Router:
             status = 499
             raise
         finally:
-            if log.isEnabledFor(logging.INFO):
-                log.info(
-                    "request",
-                    extra={
-                        "request_id": rid,
-                        "route": ctx.route,
-                        "status": status,
-                        "path": ctx.path,
-                        "duration_ms": round((time.perf_counter() - ctx.t0) * 1000, 2),
-                    },
-                )
+            if self.access_log.enabled:
+                duration_ms = round((time.perf_counter() - ctx.t0) * 1000, 2)
+                self.access_log.write(rid, ctx.route, status, ctx.path, duration_ms)
 
     async def _admit(
         self, request: web.Request, ctx: Ctx, passthrough: bool = False
@@ -403,6 +398,8 @@ class Router:
             count("none", "too_large")
             return error_response(413, "request body too large", "invalid_request_error")
         try:
+            if request.content.is_eof():  # arrived with the head (most bodies): no deadline
+                return await request.read()
             async with asyncio.timeout(self.cfg.timeouts.client_body_seconds):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:

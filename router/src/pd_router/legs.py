@@ -370,12 +370,17 @@ class Legs:
         last = time.perf_counter() if ctx.ttft_done else 0.0
         loop = asyncio.get_running_loop()
         stall = self.stall
+        # The guard is moved on at most every `slack` seconds, not per chunk (a timer heap
+        # operation per token was 7.6 % of a streaming router's samples): it fires between
+        # `stall` and `stall + slack` after the stream last made progress.
+        slack = stall / 4
         guard = None
         assert down.response is not None
         try:
             try:
                 # guard: a client that stops reading must not hold the stream forever
-                async with asyncio.timeout(stall) as guard:
+                async with asyncio.timeout(stall + slack) as guard:
+                    move_at = loop.time() + slack
                     async for chunk in resp.iter_any():
                         now = time.perf_counter()
                         if last:
@@ -386,7 +391,10 @@ class Legs:
                         data = chunk if relabel is None else relabel(chunk)
                         if data:
                             await down.write(data)
-                        guard.reschedule(loop.time() + stall)
+                        tick = loop.time()
+                        if tick >= move_at:
+                            guard.reschedule(tick + stall + slack)
+                            move_at = tick + slack
                 await down.end()
             except ClientGone:
                 out.disconnect(ctx)
