@@ -221,6 +221,19 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> 
         time.sleep(0.05)
 
 
+def _add_peer(
+    b: Any, st: Any, out: list[Any], key: str, label: str, route: str, command: Any
+) -> None:
+    """Start vllm-router (``command(port, *extra)``) with the limits every bench run gives it
+    and add it to ``out`` as a target, unless it did not come up."""
+    port = free_port()
+    limits = ("--max-concurrent-requests", "1024", "--queue-size", "1024")
+    cmd = command(port, *limits, "--prometheus-port", str(free_port()))
+    pid = _start_vllm_router(b, st, key.replace("vr-", "vllm-router-"), cmd, port)
+    if pid:
+        out.append(Target(key, label, "vllm-router", route, f"http://127.0.0.1:{port}", pid))
+
+
 def _start_vllm_router(b: Bench, st: Stack, name: str, cmd: list[str], port: int) -> int | None:
     with open(st.workdir / f"{name}.log", "wb") as log:  # the child keeps its own copy
         p = subprocess.Popen(
@@ -262,29 +275,15 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
     if vr_missing:
         b.notes.append("vllm-router is not installed (pip install 'pd-router[test]'): no peer rows")
     else:
-        port = free_port()
-        cmd = vllm_router_regular_command(
-            [dec],
-            port,
-            "--max-concurrent-requests",
-            "1024",
-            "--queue-size",
-            "1024",
-            "--prometheus-port",
-            str(free_port()),
+        _add_peer(
+            b,
+            st,
+            out,
+            "vr-regular",
+            "vllm-router: regular mode",
+            "direct",
+            lambda port, *extra: vllm_router_regular_command([dec], port, *extra),
         )
-        pid = _start_vllm_router(b, st, "vllm-router-regular", cmd, port)
-        if pid:
-            out.append(
-                Target(
-                    "vr-regular",
-                    "vllm-router: regular mode",
-                    "vllm-router",
-                    "direct",
-                    f"http://127.0.0.1:{port}",
-                    pid,
-                )
-            )
     r, w = _start_ours(b, st, "ours-direct-info", direct_over, "info")
     out.append(
         Target(
@@ -310,30 +309,15 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
         Target("ours-nixl", "ours: NIXL route", "ours", "nixl", r.url(), r.pid, w, "warning")
     )
     if not vr_missing:
-        port = free_port()
-        cmd = vllm_router_command(
-            pre,
-            dec,
-            port,
-            "--max-concurrent-requests",
-            "1024",
-            "--queue-size",
-            "1024",
-            "--prometheus-port",
-            str(free_port()),
+        _add_peer(
+            b,
+            st,
+            out,
+            "vr-pd",
+            "vllm-router: PD mode (NIXL)",
+            "nixl",
+            lambda port, *extra: vllm_router_command(pre, dec, port, *extra),
         )
-        pid = _start_vllm_router(b, st, "vllm-router-pd", cmd, port)
-        if pid:
-            out.append(
-                Target(
-                    "vr-pd",
-                    "vllm-router: PD mode (NIXL)",
-                    "vllm-router",
-                    "nixl",
-                    f"http://127.0.0.1:{port}",
-                    pid,
-                )
-            )
     lm_over = {
         "routing": {"connector": "lmcache", "threshold": 0},
         "pools": nx_pools,

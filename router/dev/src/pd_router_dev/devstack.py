@@ -117,13 +117,11 @@ def vllm_router_binary() -> Path:
     return Path(shutil.which("vllm-router") or Path(sys.executable).with_name("vllm-router"))
 
 
-def vllm_router_regular_command(worker_urls: Sequence[str], port: int, *extra: str) -> list[str]:
-    """``vllm-router`` (0.1.17) in its regular mode (no disaggregation) over ``worker_urls``
-    on 127.0.0.1:port, round robin: the peer of our router's direct route in ``make bench``."""
+def _vllm_router(mode: Sequence[str], port: int, extra: Sequence[str]) -> list[str]:
+    """``vllm-router`` (0.1.17) on 127.0.0.1:port, round robin, warnings only."""
     return [
         str(vllm_router_binary()),
-        "--worker-urls",
-        *worker_urls,
+        *mode,
         "--policy",
         "round_robin",
         "--host",
@@ -134,28 +132,19 @@ def vllm_router_regular_command(worker_urls: Sequence[str], port: int, *extra: s
         "warning",
         *extra,
     ]
+
+
+def vllm_router_regular_command(worker_urls: Sequence[str], port: int, *extra: str) -> list[str]:
+    """Its regular mode (no disaggregation) over ``worker_urls``: the peer of our router's
+    direct route in ``make bench``."""
+    return _vllm_router(["--worker-urls", *worker_urls], port, extra)
 
 
 def vllm_router_command(prefill_url: str, decode_url: str, port: int, *extra: str) -> list[str]:
-    """``vllm-router`` (0.1.17) in its NIXL PD mode on 127.0.0.1:port, round robin: the peer
-    that ``make bench`` measures against and that the simulator's interop test uses."""
-    return [
-        str(vllm_router_binary()),
-        "--vllm-pd-disaggregation",
-        "--prefill",
-        prefill_url,
-        "--decode",
-        decode_url,
-        "--policy",
-        "round_robin",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *extra,
-    ]
+    """Its NIXL PD mode: the peer that ``make bench`` measures against and that the
+    simulator's interop test uses."""
+    mode = ["--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url]
+    return _vllm_router(mode, port, extra)
 
 
 def start_sim(name: str, workdir: Path, *args: str, cpus: Collection[int] | None = None) -> Proc:
