@@ -405,6 +405,7 @@ type genRequest struct {
 	RequestID           string    `json:"request_id"`
 	AddGenerationPrompt *bool     `json:"add_generation_prompt"`
 	AddSpecialTokens    *bool     `json:"add_special_tokens"`
+	ReturnTokenIDs      *bool     `json:"return_token_ids"`
 }
 
 func isWordRune(r rune) bool {
@@ -656,6 +657,7 @@ type gen struct {
 	includeUsage   bool
 	nixlPrefill    bool
 	lmcachePrefill bool
+	promptIDs      []int // return_token_ids: the prompt's ids (whole answers only)
 }
 
 func (e *engine) generate(r *request, bw *bufio.Writer, chat bool) error {
@@ -704,6 +706,16 @@ func (e *engine) generate(r *request, bw *bufio.Writer, chat bool) error {
 		}
 	}
 	st.includeUsage = g.Stream && g.StreamOptions != nil && g.StreamOptions.IncludeUsage
+	if g.ReturnTokenIDs != nil && *g.ReturnTokenIDs {
+		if g.Stream {
+			return e.apiError(r, bw, 400, "the fast engine returns token ids in whole answers only")
+		}
+		ids, _, err := promptIDs(&g, chat, true)
+		if err != nil {
+			return e.apiError(r, bw, 400, err.Error())
+		}
+		st.promptIDs = ids
+	}
 	// serve/engine/serving.py _base_request_id: X-Request-Id, else request_id, else random
 	if chat {
 		st.id = append(st.id[:0], "chatcmpl-"...)
@@ -807,23 +819,59 @@ func (e *engine) whole(out []byte, st *gen) []byte {
 		out = e.appendHead(out, st, "chat.completion")
 		out = append(out, `,"choices":[{"index":0,"message":{"role":"assistant","content":`...)
 		out = e.appendText(out, st.maxTokens)
-		out = append(out, `,"refusal":null,"annotations":null,"audio":null,"function_call":null,"reasoning":null},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"routed_experts":null}]`...)
+		out = append(out, `,"refusal":null,"annotations":null,"audio":null,"function_call":null,"reasoning":null},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":`...)
+		out = e.appendOutIDs(out, st)
+		out = append(out, `,"routed_experts":null}]`...)
 	} else {
 		out = e.appendHead(out, st, "text_completion")
 		out = append(out, `,"choices":[{"index":0,"text":`...)
 		out = e.appendText(out, st.maxTokens)
-		out = append(out, `,"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}]`...)
+		out = append(out, `,"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":`...)
+		out = e.appendOutIDs(out, st)
+		out = append(out, `,"prompt_logprobs":null,"prompt_token_ids":`...)
+		out = appendIDs(out, st.promptIDs)
+		out = append(out, `,"routed_experts":null}]`...)
 	}
 	out = append(out, `,"service_tier":null,"system_fingerprint":`...)
 	out = appendJSONString(out, e.cfg.fingerprint)
 	out = append(out, `,"usage":`...)
 	out = appendUsage(out, st.promptTokens, st.maxTokens, true)
 	if st.chat {
-		out = append(out, `,"prompt_logprobs":null,"prompt_token_ids":null,"prompt_text":null`...)
+		out = append(out, `,"prompt_logprobs":null,"prompt_token_ids":`...)
+		out = appendIDs(out, st.promptIDs)
+		out = append(out, `,"prompt_text":null`...)
 	}
 	out = append(out, `,"kv_transfer_params":`...)
 	out = e.appendKV(out, st)
 	return append(out, `,"ec_transfer_params":null,"metrics":null}`...)
+}
+
+// appendIDs: a JSON list of ids, or null for none (return_token_ids not asked).
+func appendIDs(out []byte, ids []int) []byte {
+	if ids == nil {
+		return append(out, "null"...)
+	}
+	out = append(out, '[')
+	for i, id := range ids {
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = strconv.AppendInt(out, int64(id), 10)
+	}
+	return append(out, ']')
+}
+
+// appendOutIDs: the output's ids with return_token_ids (every output token is the engine's
+// one word, whose id is firstTok), else null.
+func (e *engine) appendOutIDs(out []byte, st *gen) []byte {
+	if st.promptIDs == nil {
+		return append(out, "null"...)
+	}
+	ids := make([]int, st.maxTokens)
+	for i := range ids {
+		ids[i] = e.cfg.firstTok
+	}
+	return appendIDs(out, ids)
 }
 
 const sseHead = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n"

@@ -275,6 +275,8 @@ func scanGen(body []byte, g *genRequest) (chatTokens int, err error) {
 				_, err := s.value()
 				return err
 			})
+		case "return_token_ids":
+			return errScan // rare: encoding/json fills it (and the messages' text it needs)
 		case "kv_transfer_params":
 			if s.peek() == 'n' {
 				_, err := s.value()

@@ -294,6 +294,9 @@ class Router:
                 log.warning("GET %s/v1/models failed: %r", ep.base, exc)
                 continue
             if cards:
+                mml = cards[0].get("max_model_len")
+                if type(mml) is int and mml > 0:  # what /tokenize would teach
+                    self.legs.max_model_len = mml
                 return cards
             log.warning(
                 "GET %s/v1/models (%d) lists no model %r (model.servedName)",
@@ -481,6 +484,7 @@ class Router:
             self.outcomes.batch(batch_reason(ctx.body, ctx.chat) or "n")
         if d.exact:
             ctx.ntok = d.tokens or 0
+        ctx.ptok = d.tokens or 0
         ctx.ids = d.ids
         route = self.disaggregated if d.disaggregate else self.direct
         return await route.serve(ctx, Downstream(request))

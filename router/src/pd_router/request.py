@@ -33,6 +33,7 @@ class Ctx:
         "ids",
         "ntok",
         "path",
+        "ptok",
         "raw",
         "rid",
         "route",
@@ -55,6 +56,7 @@ class Ctx:
         self.body: dict[str, Any] = {}
         self.stream = False
         self.ntok = 0  # prompt tokens when counted exactly (tokens, tokenizer, /tokenize)
+        self.ptok = 0  # prompt tokens as the decision saw them, exact or estimated; 0: uncounted
         self.ids: list[int] | None = None  # prompt token ids when known (reused by LMCache)
 
     def reply_headers(self) -> dict[str, str]:

@@ -353,7 +353,8 @@ def test_lmcache_client_leaving_at_the_first_chunk_releases_everything() -> None
 )
 def test_lmcache_falls_back_before_any_prefill(body: dict[str, Any], ids: Any, reason: str) -> None:
     w, waiter = World(), FakeWaiter("ok")
-    w.legs.max_model_len = 4096
+    # an unknown context length sends the router to /tokenize (which learns it)
+    w.legs.max_model_len = None if ids is None else 4096
     w.up.on(P1, "/tokenize", FakeResponse(500, b"{}"))
     w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
     c = ctx(body)
@@ -364,6 +365,68 @@ def test_lmcache_falls_back_before_any_prefill(body: dict[str, Any], ids: Any, r
     assert [p for _, p, _ in w.up.calls if p == "/v1/completions"] == ["/v1/completions"]
     assert w.sample("pd_router_fallbacks_total", reason=reason) == 1
     assert w.load() == [(0, 0)] * 2
+
+
+def ids_answer(chat: bool, ids: Any, tok: int = 99, text: str = "A") -> FakeResponse:
+    """A prefill leg's answer with ``return_token_ids``, where vLLM 0.31 puts the prompt's
+    ids: the chat response, or the completion's choice."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "token_ids": [tok]}
+    answer: dict[str, Any] = {"choices": [choice], "kv_transfer_params": {"first_tok": tok}}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        answer["prompt_token_ids"] = ids
+    else:
+        choice.update(text=text, prompt_token_ids=ids)
+    return FakeResponse(200, answer)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_lmcache_learns_the_ids_from_the_prefill_leg_without_tokenize(chat: bool) -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.legs.max_model_len = 4096
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    w.up.on(P1, path, ids_answer(chat, IDS))
+    w.up.on(D1, "/v1/completions", FakeResponse(200, completion("BCD")))
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"}
+    )
+    c = ctx({**prompt, "max_tokens": 8, "stream_options": None}, chat=chat)
+    c.ptok = 3
+    down = FakeDownstream()
+    run(lmcache(w, waiter).serve(c, down))
+    (pport, ppath, pre), (_, dpath, dec) = w.up.calls
+    assert (pport, ppath) == (P1, path) and "/tokenize" not in [p for _, p, _ in w.up.calls]
+    # the client's own prompt, one token, asking for its ids
+    assert {k: pre[k] for k in prompt} == prompt and pre["return_token_ids"] is True
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "stream_options" not in pre
+    assert dpath == "/v1/completions" and dec["prompt"] == [*IDS, 99] and dec["max_tokens"] == 7
+    text = down.json()["choices"][0]
+    assert (text["message"]["content"] if chat else text["text"]) == "ABCD"
+    assert down.json()["usage"]["prompt_tokens"] == 4
+    assert down.headers["x-pd-route"] == "disaggregated" and w.load() == [(0, 0)] * 2
+
+
+def test_lmcache_too_long_learnt_from_the_prefill_leg_is_decoded_unsplit() -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.legs.max_model_len = 100
+    w.up.on(P1, "/v1/completions", ids_answer(False, list(range(98))))
+    w.up.on(D1, "/v1/completions", FakeResponse(400, b'{"error":"too long"}'))
+    down = FakeDownstream()
+    run(lmcache(w, waiter).serve(ctx({"prompt": "q", "max_tokens": 8}), down))
+    assert down.headers["x-pd-route"] == "fallback" and down.status == 400
+    assert w.sample("pd_router_fallbacks_total", reason="too_long") == 1
+    assert set(waiter.cancelled) == set(waiter.expected) and w.load() == [(0, 0)] * 2
+
+
+def test_lmcache_prefill_answer_without_the_prompt_ids_is_a_bad_response() -> None:
+    w, waiter = World(), FakeWaiter("ok")
+    w.legs.max_model_len = 4096
+    w.up.on(P1, "/v1/completions", ids_answer(False, None))
+    w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
+    down = FakeDownstream()
+    run(lmcache(w, waiter).serve(ctx({"prompt": "q", "max_tokens": 8}), down))
+    assert down.headers["x-pd-route"] == "fallback"
+    assert w.sample("pd_router_upstream_errors_total", pool="prefill", kind="bad_response") == 1
 
 
 def test_lmcache_prefill_failure_falls_back_and_gives_the_decoder_back() -> None:

@@ -4,9 +4,10 @@ PDBackendAsync, sender AND receiver, over NIXL (UCX) on CPU buffers.
     python lmcache_prefiller.py < config.json     # serves until killed
 
 The HTTP side is the part of vLLM the router talks to during an LMCache hand-off: GET /health,
-POST /tokenize and the one-token prefill leg POST /v1/completions (tokens and the first token come
-from the simulated engine's deterministic model, pd_router_dev.sim.model, so a disaggregated answer
-can be compared with a direct one). Everything after that is LMCache's: for the request id the
+POST /tokenize and the one-token prefill leg, POST /v1/completions of token ids or of the client's
+text, or POST /v1/chat/completions, the last two with `return_token_ids` as vLLM 0.31 answers it
+(tokens and the first token come from the simulated engine's deterministic model,
+pd_router_dev.sim.model, so a disaggregated answer can be compared with a direct one). Everything after that is LMCache's: for the request id the
 router put into `kv_transfer_params.disagg_spec`, one sender per TP rank (worker_id = rank) builds
 the DisaggSpec as vLLM's LMCacheConnectorV1 does, asks the receiver of its rank for buffer slots
 over ZMQ, writes the chunks with NIXL and, when all landed, PUSHes a ProxyNotif to `pd_proxy_host:
@@ -142,8 +143,19 @@ def build_app(pre: Prefiller) -> web.Application:
         return web.json_response({"count": len(toks), "max_model_len": max_len, "tokens": toks, "token_strs": None})
 
     async def completions(request: web.Request) -> web.Response:
-        body = await request.json()
-        prompt = body["prompt"]
+        return await prefill_leg(await request.json(), False)
+
+    async def chat(request: web.Request) -> web.Response:
+        return await prefill_leg(await request.json(), True)
+
+    async def prefill_leg(body: dict[str, Any], chat: bool) -> web.Response:
+        if chat:
+            prompt = M.apply_chat_template(body["messages"], bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+            prompt = M.tokenize_text(body["prompt"], bool(body.get("add_special_tokens", True)))
+        else:
+            prompt = body.get("prompt")
+        ids_asked = bool(body.get("return_token_ids"))
         spec = (body.get("kv_transfer_params") or {}).get("disagg_spec")
         if not isinstance(prompt, list) or spec is None or body.get("max_tokens") != 1:
             return web.json_response(
@@ -160,26 +172,32 @@ def build_app(pre: Prefiller) -> web.Application:
         tok = M.Generator(prompt, bool(body.get("ignore_eos"))).step(bool(body.get("min_tokens")))
         if not pre.conf.get("silent"):
             await asyncio.to_thread(pre.push, spec, prompt)
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": pre.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": M.token_text(tok),
-                        "logprobs": None,
-                        "finish_reason": "stop" if tok == M.EOS else "length",
-                        "stop_reason": None,
-                        "prompt_logprobs": None,
-                    }
-                ],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
-                "kv_transfer_params": {"first_tok": tok},
-            }
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": M.token_text(tok), "reasoning": None}
+        else:
+            choice["text"] = M.token_text(tok)
+        choice.update(
+            logprobs=None,
+            finish_reason="stop" if tok == M.EOS else "length",
+            stop_reason=None,
+            token_ids=[tok] if ids_asked else None,
         )
+        answer: dict[str, Any] = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": pre.model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
+            "kv_transfer_params": {"first_tok": tok},
+        }
+        ids = prompt if ids_asked else None
+        if chat:  # ChatCompletionResponse.prompt_token_ids; CompletionResponseChoice's otherwise
+            answer["prompt_token_ids"] = ids
+        else:
+            choice.update(prompt_logprobs=None, prompt_token_ids=ids)
+        return web.json_response(answer)
 
     async def received(request: web.Request) -> web.Response:
         return web.json_response(pre.received(request.query["req_id"]))
@@ -190,6 +208,7 @@ def build_app(pre: Prefiller) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/harness/received", received)
     app.router.add_get("/harness/requests", requests)
     return app

@@ -5,8 +5,14 @@ Checked against LMCache 0.5.6 (``examples/disagg_prefill/disagg_proxy_server.py`
 ``lmcache/v1/storage_backend/pd_backend.py``) and pd-protocols.md section 1:
 
 1. the decoder is chosen first; its host and per-TP-rank receiver ports go into
-   ``kv_transfer_params.disagg_spec`` of a NON-streaming ``/v1/completions`` prefill request
-   whose ``prompt`` is the token ids and ``max_tokens`` is 1, with ``ret_first_tok`` present;
+   ``kv_transfer_params.disagg_spec`` of a NON-streaming prefill request with ``max_tokens``
+   1 and ``ret_first_tok`` present. LMCache's proxy tokenizes first and sends the ids to
+   ``/v1/completions``; this router does so only when the decision already learnt the ids or
+   the context length is still unknown (the first request's /tokenize learns it). Otherwise
+   the prefill leg is the client's own request (its path, ``messages`` or ``prompt``) with
+   ``return_token_ids`` (vLLM 0.31.0 and 0.33.0, ``CompletionResponseChoice.prompt_token_ids``
+   / ``ChatCompletionResponse.prompt_token_ids``): one upstream call fewer (issue 15), and the
+   decoder gets exactly the ids the prefiller computed the KV of;
 2. the prefill response carries ``kv_transfer_params.first_tok``;
 3. every prefill TP rank PUSHes one ``ProxyNotif(req_id)`` once its chunks landed
    (:mod:`.lmcache_notify` waits for them);
@@ -141,18 +147,34 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in _DROP_FOR_COMPLETIONS}
 
 
+# What the client's own request loses to become its prefill leg (ids learnt from the answer).
+_DROP_FOR_PREFILL = {
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "kv_transfer_params",
+    "n",
+}
+
+
 def prefill_body(
     body: dict[str, Any],
-    ids: list[int],
+    ids: list[int] | None,
     req_id: str,
     receiver_host: str,
     init_ports: list[int],
     alloc_ports: list[int],
 ) -> dict[str, Any]:
-    req = _sampling(body)
+    """``ids`` None: the client's prompt as it sent it, asking the engine for its ids."""
+    if ids is None:
+        req = {k: v for k, v in body.items() if k not in _DROP_FOR_PREFILL}
+        req["return_token_ids"] = True
+    else:
+        req = _sampling(body)
+        req["prompt"] = ids
     lower_min_tokens(req, produced=0, limit=1)
     req.update(
-        prompt=ids,
         max_tokens=1,
         stream=False,
         kv_transfer_params={
@@ -186,12 +208,15 @@ def decode_body(
 
 @dataclass(slots=True)
 class Plan:
-    """What the hand-off will use: both engines, the prompt ids, the total output length."""
+    """What the hand-off will use: both engines, the prompt ids and the total output length
+    (both None until the prefill leg's answer gives the ids), the prompt tokens the
+    prefiller's load counts meanwhile."""
 
     pre: Endpoint
     dec: Endpoint
-    ids: list[int]
-    max_tokens: int
+    ids: list[int] | None
+    max_tokens: int | None
+    ntok: int
 
 
 @dataclass(slots=True)
@@ -204,6 +229,7 @@ class First:
     finish: Any
     stop_reason: Any
     leg: dict[str, Any]
+    ids: list[int]  # the prompt's ids: the plan's, or the prefiller's ``prompt_token_ids``
 
 
 NO_DECODER = "no_decoder"  # a plan outcome, not a fallback: nobody can serve it
@@ -252,25 +278,36 @@ class LMCacheRoute:
         if dec is None:
             return NO_DECODER
         ids = ctx.ids
+        if ids is None and legs.max_model_len is not None:
+            # the prefill leg's answer gives the ids; the lengths are checked then
+            return Plan(pre, dec, None, None, ctx.ptok)
         if ids is None:
             try:
                 ids = await legs.tokenize(ctx, pre, body, ctx.chat)
             except TokenizeError:
                 legs.outcomes.upstream("prefill", "tokenize")
                 return "tokenize_error"
-        mml = legs.max_model_len
-        mt = effective_max_tokens(body, ctx.chat, len(ids), mml)
+        mt = self._lengths(ctx, len(ids))
+        if isinstance(mt, str):
+            return mt
+        return Plan(pre, dec, ids, mt, len(ids))
+
+    def _lengths(self, ctx: Ctx, n_prompt: int) -> int | str:
+        """The split request's total output length, or why it is served unsplit."""
+        body, mml = ctx.body, self.legs.max_model_len
+        mt = effective_max_tokens(body, ctx.chat, n_prompt, mml)
         if mt is None:
             return "unknown_max_tokens"
         if min_tokens_above(body, mt):
             # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
             return "unsupported_fields"
-        if mml is not None and len(ids) + mt > mml:
+        if mml is not None and n_prompt + mt > mml:
             # vLLM 0.31 refuses prompt + max_tokens above the context (400) but would accept the
             # 1-token prefill leg: unsplit, the client gets the decoder's own answer, never a 200
-            # and one token before the error (0.33 clamps max_tokens and serves it)
+            # and one token before the error (0.33 clamps max_tokens and serves it). Learnt from
+            # the prefill leg's answer, this costs that leg (its KV is never decoded).
             return "too_long"
-        return Plan(pre, dec, ids, mt)
+        return mt
 
     async def _run(
         self, ctx: Ctx, down: Downstream, plan: Plan, hold: Lease, ticket: Ticket
@@ -284,6 +321,14 @@ class LMCacheRoute:
             hold.release()  # not waiting for a KV any more
             self.waiter.cancel(ticket)
             return await self.direct.fallback(ctx, down, first)
+        if plan.ids is None:  # learnt from the prefill leg
+            mt = self._lengths(ctx, len(first.ids))
+            if isinstance(mt, str):
+                hold.release()
+                self.waiter.cancel(ticket)
+                return await self.direct.fallback(ctx, down, mt)
+            plan.ids, plan.max_tokens = first.ids, mt
+        assert plan.max_tokens is not None
         # the prefiller's success is reported once its hand-off completed (below): reported
         # here, it would reset the failures a missing notification counts every time
         done_after_first = first.finish == "stop" or plan.max_tokens == 1
@@ -294,7 +339,7 @@ class LMCacheRoute:
             try:
                 await down.open_stream({**ctx.reply_headers(), **SSE_HEADERS})
                 await down.write(
-                    self._first_events(ctx, sid, created, first, done_after_first, len(plan.ids))
+                    self._first_events(ctx, sid, created, first, done_after_first, len(first.ids))
                 )
             except ClientGone:
                 legs.outcomes.disconnect(ctx)
@@ -304,9 +349,10 @@ class LMCacheRoute:
         if done_after_first:
             legs.prefill_pool.report_success(plan.pre)
             self.waiter.cancel(ticket)
-            return await self._first_only(ctx, down, sid, created, first, len(plan.ids))
+            return await self._first_only(ctx, down, sid, created, first, len(first.ids))
         landed = await self._await_kv(ctx, plan, ticket, t0)
-        data = orjson.dumps(decode_body(ctx.body, plan.ids, first.tok, plan.max_tokens, ctx.stream))
+        body = decode_body(ctx.body, first.ids, first.tok, plan.max_tokens, ctx.stream)
+        data = orjson.dumps(body)
         hold.release()  # the decode leg counts itself from here on
         return await self._decode(ctx, down, plan, landed, data, sid, created, first.text)
 
@@ -344,25 +390,31 @@ class LMCacheRoute:
         body = prefill_body(
             ctx.body, plan.ids, req_id, plan.dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
         )
+        # ids known: a completion of them; else the client's own endpoint, asking for them
+        path = DECODE_PATH if plan.ids is not None or not ctx.chat else ctx.path
         try:
-            status, presp, praw = await legs.prefill(
-                ctx, plan.pre, DECODE_PATH, body, len(plan.ids)
-            )
+            status, presp, praw = await legs.prefill(ctx, plan.pre, path, body, plan.ntok)
         except LegError as err:
             return legs.prefill_failed(plan.pre, err)
         if status != 200:
             return status, praw
+        ids = plan.ids
         try:
             tok = presp["kv_transfer_params"]["first_tok"]
             ch = presp["choices"][0]
-            text = ch.get("text") or ""
+            if path == DECODE_PATH:
+                text = ch.get("text") or ""
+            else:
+                text = ch["message"].get("content") or ""
+            if ids is None:
+                ids = presp["prompt_token_ids"] if ctx.chat else ch["prompt_token_ids"]
             finish = ch.get("finish_reason")
             stop_reason = ch.get("stop_reason")
         except (KeyError, TypeError, IndexError, AttributeError):
             tok = None
-        if type(tok) is not int:
+        if type(tok) is not int or type(ids) is not list or not ids:
             return legs.prefill_failed(plan.pre, LegError("bad_response", 502))
-        return First(tok, text, finish, stop_reason, presp)
+        return First(tok, text, finish, stop_reason, presp, ids)
 
     async def _await_kv(self, ctx: Ctx, plan: Plan, ticket: Ticket, t0: float) -> bool:
         """Wait until the KV landed on the planned decoder; a broken hand-off counts against

@@ -416,6 +416,7 @@ class Request:
     min_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
+    return_token_ids: bool = False
 
 
 def max_n() -> int:
@@ -494,6 +495,7 @@ def parse(body: Any, chat: bool, model: str, max_model_len: int, version: str) -
     add_special = f.get("add_special_tokens", "bool", not chat, optional=False)
     request_id = f.get("request_id", "str", None, optional=False)
     kv = f.get("kv_transfer_params", "dict", None)
+    return_ids = f.get("return_token_ids", "bool", None)  # ``bool | None = None`` on both
     if f.errors:
         raise validation_error(f.errors)
     if mdl and mdl != model:
@@ -570,6 +572,7 @@ def parse(body: Any, chat: bool, model: str, max_model_len: int, version: str) -
         min_tokens=min_tokens,
         kv_transfer_params=kv,
         request_id=request_id,
+        return_token_ids=bool(return_ids),
     )
 
 

@@ -600,14 +600,16 @@ class SimEngine:
                 }
             else:
                 choice["text"] = s.text.text
+            ids = req.return_token_ids  # output ids per choice; prompt ids per choice or once
             choice.update(
                 logprobs=None,
                 finish_reason=s.finish,
                 stop_reason=s.stop_reason,
-                token_ids=None,
+                token_ids=list(s.tokens) if ids else None,
             )
             if not req.chat:
-                choice.update(prompt_logprobs=None, prompt_token_ids=None)
+                prompt_ids = req.prompts[s.prompt_index] if ids else None
+                choice.update(prompt_logprobs=None, prompt_token_ids=prompt_ids)
             choice["routed_experts"] = None
             if v33:
                 choice["weight_versions"] = None
@@ -633,7 +635,8 @@ class SimEngine:
             "usage": usage,
         }
         if req.chat:
-            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+            prompt_ids = req.prompts[0] if req.return_token_ids else None
+            out.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, prompt_text=None)
         out.update(kv_transfer_params=kv_out, ec_transfer_params=None, metrics=None)
         return out
 
@@ -681,7 +684,9 @@ class SimEngine:
                             **_usage(n_prompt[0], 0),
                             "completion_tokens_details": None,
                         }
-                    role.update(prompt_token_ids=None, prompt_text=None)
+                    # the prompt's ids at the first chunk ever (chat_completion/serving.py)
+                    ids = req.prompts[0] if req.return_token_ids and i == 0 else None
+                    role.update(prompt_token_ids=ids, prompt_text=None)
                     buf.append(_sse(role))
             first = False
             for ev in events:
@@ -695,16 +700,20 @@ class SimEngine:
                     }
                     if ev.finish is not None:
                         choice["stop_reason"] = ev.stop_reason
-                    choice["token_ids"] = None
+                    choice["token_ids"] = [ev.token] if req.return_token_ids else None
                 else:
+                    # completion/serving.py: a choice's first chunk carries the prompt's ids
+                    prompt_ids = None
+                    if req.return_token_ids and n_tok[ev.index] == 1:
+                        prompt_ids = req.prompts[seq_prompt[ev.index]]
                     choice = {
                         "index": ev.index,
                         "text": ev.text,
                         "logprobs": None,
                         "finish_reason": ev.finish,
                         "stop_reason": ev.stop_reason,
-                        "prompt_token_ids": None,
-                        "token_ids": None,
+                        "prompt_token_ids": prompt_ids,
+                        "token_ids": [ev.token] if req.return_token_ids else None,
                     }
                 chunk: dict[str, Any] = {**head, "choices": [choice]}
                 if ev.finish is not None and not req.include_usage:
