@@ -600,7 +600,7 @@ def test_nixl_engine_exports_the_nixl_connector_metrics(version: str) -> None:
 
 def test_nixl_prefill_answer_and_decoder_metrics() -> None:
     async def go() -> None:
-        async with sim(kv_connector="nixl") as (c, engine):
+        async with sim(kv_connector="nixl", prefix_cache_tokens=0) as (c, engine):
             body = {
                 "prompt": [3] * 40,
                 "max_tokens": 1,

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+from pd_router_dev.sim.engine import BLOCK_SIZE
 from pd_router_dev.sim.protocol import VERSIONS
 from pd_router_dev.sim.server import FAULTS, SimConfig, serve
 
@@ -69,11 +70,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         help="a step's duration: prefill + decode time (sum), or the larger of its "
         "compute-bound and memory-bound times (max, a roofline; see sim/engine.py)",
     )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=SimConfig.prefix_cache_tokens,
+        help="vLLM's automatic prefix caching: the tokens of KV its block pool holds (16-token "
+        "blocks, least recently used evicted first); 0 = off, as --no-enable-prefix-caching",
+    )
     a = p.parse_args(argv)
     if a.max_num_batched_tokens < 1 or a.max_num_seqs < 1 or a.num_gpu_blocks_override < 1:
         p.error(
             "--max-num-batched-tokens, --max-num-seqs and --num-gpu-blocks-override must be >= 1"
         )
+    if a.prefix_cache_tokens < 0 or 0 < a.prefix_cache_tokens < 2 * BLOCK_SIZE:
+        # one block is vLLM's null block (block_pool.py), never handed out
+        p.error(f"--prefix-cache-tokens must be 0 (off) or at least {2 * BLOCK_SIZE}")
     cfg = SimConfig(
         host=a.host,
         port=a.port,
@@ -99,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         max_num_seqs=a.max_num_seqs,
         num_gpu_blocks=a.num_gpu_blocks_override,
         step_time=a.step_time,
+        prefix_cache_tokens=a.prefix_cache_tokens,
     )
     return cfg, a.port_file
 

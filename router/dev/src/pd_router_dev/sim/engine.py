@@ -26,9 +26,23 @@ Step time (``step_time``), all times ``slow_factor`` under the ``slow`` fault:
   pessimistic for a colocated engine, and makes a 1-token prefill step almost free, which
   is optimistic for a disaggregated decoder; ``max`` is fair to both.
 
-Not modelled: preemption and KV-cache capacity limits on admission, prefix caching (every
-prompt token not delivered by a KV connector is computed), ``long_prefill_token_threshold``,
-speculative decoding, async scheduling.
+Prefix caching (vLLM's automatic prefix caching, on by default: ``engine/arg_utils.py``
+``_set_default_chunked_prefill_and_prefix_caching_args``; ``--prefix-cache-tokens 0`` is
+``--no-enable-prefix-caching``) follows the v1 KV cache manager (``v1/core/kv_cache_manager.py``,
+``block_pool.py``, ``single_type_kv_cache_manager.py`` ``FullAttentionManager``,
+``kv_cache_utils.py``), see ``PrefixCache``: only full 16-token blocks are hashed, each hash
+chaining its parent's; at admission a request takes the longest run of cached blocks from
+the start of its prompt, never the whole prompt (at least its last token is computed), and
+computes only the rest, so its prefill chunks and step time count uncached tokens only; a KV
+connector's tokens (NIXL, LMCache) count past the local hit. Blocks are cached as their
+tokens are scheduled (prompt and generated tokens alike), including the blocks a connector
+delivered; a finished request's blocks go back to the free queue tail-first, and the pool
+hands out its least recently used free block, evicting its hash.
+
+Not modelled: preemption and KV-cache capacity limits on admission (a request never waits
+for blocks: past the pool it computes without caching), ``long_prefill_token_threshold``,
+speculative decoding, async scheduling, ``cache_salt`` and prompt logprobs (which skip the
+prefix cache in vLLM), a NIXL prefiller holding its blocks until the decoder pulled them.
 """
 
 from __future__ import annotations
@@ -36,7 +50,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +61,117 @@ if TYPE_CHECKING:
     from pd_router_dev.sim.metrics import VllmMetrics
 
 BLOCK_SIZE = 16  # config/cache.py (0.31) CacheConfig.DEFAULT_BLOCK_SIZE
+# stands in for kv_cache_utils.py NONE_HASH, the parent "hash" of a sequence's first block
+NONE_HASH = 0x5F3759DF9E3779B9
+
+
+def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
+    """kv_cache_utils.py (0.31) ``hash_block_tokens``: a full block's hash covers its parent
+    block's hash (``NONE_HASH`` for the first block) and its token ids, so it names the whole
+    prefix up to its end. vLLM hashes with sha256 (or xxhash); Python's tuple hash is enough
+    here (not salted for ints, so stable across processes)."""
+    return hash((NONE_HASH if parent is None else parent, tuple(tokens)))
+
+
+def block_hashes(tokens: Sequence[int], start: Sequence[int] = ()) -> list[int]:
+    """kv_cache_utils.py ``get_request_block_hasher``: the hashes of ``tokens``' full blocks
+    (a partial last block has none), continuing the chain ``start`` already holds."""
+    out = list(start)
+    for i in range(len(out) * BLOCK_SIZE, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        out.append(hash_block(out[-1] if out else None, tokens[i : i + BLOCK_SIZE]))
+    return out
+
+
+class PrefixCache:
+    """One engine's KV block pool with automatic prefix caching, as ``v1/core/block_pool.py``
+    ``BlockPool`` keeps it (checked against vLLM 0.31.0), reduced to block ids, hashes and
+    reference counts.
+
+    ``num_blocks`` blocks, block 0 the null block vLLM never hands out; the free queue holds
+    every block no request uses, cached ones included (``FreeKVCacheBlockQueue``): a new
+    block is taken from its head and loses its hash then (``get_new_blocks``,
+    ``_maybe_evict_cached_block``); a cache hit on a free block takes it out of the queue
+    (``touch``); a finished request's blocks come back in reverse order, hashed ones at the
+    tail (reused last: LRU), unhashed ones at the head (``free_blocks``;
+    ``single_type_kv_cache_manager.py`` ``free``: "tail blocks are evicted first"). A hash
+    may name several blocks (the pool does not deduplicate: ``BlockHashToBlockMap``); a hit
+    takes the first. Blocks past the pool (vLLM would hold the request back) are ``-1``:
+    computed, never cached."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.ref = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[int, dict[int, None]] = {}  # block hash -> the blocks holding it
+        self.num_cached = 0  # blocks with a hash (in use or free)
+
+    def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
+        """``FullAttentionManager.find_longest_cache_hit``: the cached blocks of the longest
+        run of ``hashes`` from the first, at most ``max_blocks``; the chain makes a miss
+        final."""
+        hit: list[int] = []
+        for h in hashes[:max_blocks]:
+            blocks = self.cached.get(h)
+            if not blocks:
+                break
+            hit.append(next(iter(blocks)))
+        return hit
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+
+    def new_block(self) -> int:
+        if not self.free:
+            return -1
+        b = self.free.popitem(last=False)[0]
+        h = self.hash_of[b]
+        if h is not None:  # evicted
+            holders = self.cached[h]
+            del holders[b]
+            if not holders:
+                del self.cached[h]
+            self.hash_of[b] = None
+            self.num_cached -= 1
+        self.ref[b] = 1
+        return b
+
+    def cache(self, block: int, h: int) -> None:
+        """``cache_full_blocks``: a block just filled enters the cache under its hash."""
+        if block < 0 or self.hash_of[block] is not None:
+            return
+        self.hash_of[block] = h
+        self.cached.setdefault(h, {})[block] = None
+        self.num_cached += 1
+
+    def free_blocks(self, ordered: Sequence[int]) -> None:
+        """``free_blocks``: ``ordered`` first to be reused first (a request's in reverse)."""
+        first: list[int] = []
+        for b in ordered:
+            if b < 0:
+                continue
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.hash_of[b] is None:
+                    first.append(b)
+                else:
+                    self.free[b] = None  # the tail: evicted last
+        for b in reversed(first):  # prepend_n: the head, in their order
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
+
+    def stats(self) -> dict[str, int]:
+        free = len(self.free)
+        return {
+            "block_size": BLOCK_SIZE,
+            "num_blocks": self.num_blocks,
+            "cached_blocks": self.num_cached,
+            "free_blocks": free,
+            "in_use_blocks": self.num_blocks - 1 - free,
+        }
 
 
 @dataclass(slots=True)
@@ -62,9 +188,17 @@ class Event:
 class Run:
     """The sequences of one HTTP request (``n`` choices per prompt) and their events."""
 
-    def __init__(self, metrics: VllmMetrics, n: int) -> None:
+    def __init__(
+        self,
+        metrics: VllmMetrics,
+        n: int,
+        cache: PrefixCache | None = None,
+        connector: bool = False,
+    ) -> None:
         self.metrics = metrics
         self.n = n
+        self.cache = cache  # the engine's prefix cache; None: prefix caching off
+        self.connector = connector  # the engine has a KV connector (NIXL, LMCache)
         self.seqs: list[Seq] = []
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.scheduled = False
@@ -78,6 +212,7 @@ class Run:
     def cancel(self) -> None:
         for s in self.seqs:
             s.cancelled = True
+            s.free()
 
     def _child_finished(self) -> None:
         # vllm/v1/engine/parallel_sampling.py observe_finished_request: the n and the
@@ -96,18 +231,24 @@ class Seq:
 
     __slots__ = (
         "arrival",
+        "blocks",
         "cancelled",
         "done",
+        "external",
         "finish",
         "first_ts",
         "gen",
+        "hashes",
         "index",
         "last_ts",
+        "local_hit",
         "max_model_len",
         "max_tokens",
         "min_tokens",
+        "n_cached_blocks",
         "n_out",
         "prefill_left",
+        "prompt",
         "prompt_index",
         "prompt_len",
         "run",
@@ -148,6 +289,14 @@ class Seq:
         self.stop_ids = frozenset(stop_token_ids or ())
         self.uncached = uncached
         self.prefill_left = max(uncached, 1)  # the last prompt token is always computed
+        # prompt tokens a KV connector delivers (NIXL's pull, LMCache's retrieve); past the
+        # local prefix-cache hit, which admission (``mark_scheduled``) finds
+        self.external = max(0, len(prompt) - self.prefill_left)
+        self.local_hit = 0
+        self.prompt = prompt
+        self.hashes: list[int] = []  # full blocks' hashes (request.block_hashes)
+        self.blocks: list[int] = []  # block ids in the pool (req_to_blocks)
+        self.n_cached_blocks = 0  # of them, how many are cached (num_cached_block)
         self.n_out = 0
         self.tokens: list[int] = []
         self.done = False
@@ -167,7 +316,72 @@ class Seq:
     def mark_scheduled(self, now: float) -> None:
         if not self.scheduled_ts:
             self.scheduled_ts = now
-            self.run.metrics.prefix_queries.inc(self.prompt_len)
+            self._admit()
+
+    def _admit(self) -> None:
+        """The prefix-cache lookup of a request's admission (checked against vLLM 0.31.0
+        ``v1/core/sched/scheduler.py`` ``schedule``, ``kv_cache_manager.py``
+        ``get_computed_blocks`` and ``record_prefix_cache_stats``): the longest cached run of
+        the prompt's full blocks, up to ``num_tokens - 1`` tokens ("we must recompute the last
+        token to obtain logits": a fully cached prompt recomputes its last block), then the
+        connector's tokens past it; ``vllm:prefix_cache_queries``/``_hits`` count the prompt
+        and the local hit when caching is on (no lookup, no count, when off), the connector's
+        ``vllm:external_prefix_cache_*`` what the local hit left and what the connector brought."""
+        run = self.run
+        m = run.metrics
+        cache = run.cache
+        hit: list[int] = []
+        if cache is not None:
+            self.hashes = block_hashes(self.prompt)
+            hit = cache.lookup(self.hashes, (self.prompt_len - 1) // BLOCK_SIZE)
+            cache.touch(hit)
+            self.blocks = hit
+            self.n_cached_blocks = len(hit)
+            m.prefix_queries.inc(self.prompt_len)
+            m.prefix_hits.inc(len(hit) * BLOCK_SIZE)
+        self.local_hit = len(hit) * BLOCK_SIZE
+        self.external = max(0, self.external - self.local_hit)
+        if run.connector:  # connector_prefix_cache_queries / _hits
+            m.ext_queries.inc(self.prompt_len - self.local_hit)
+            m.ext_hits.inc(self.external)
+        self.prefill_left = self.prompt_len - self.local_hit - self.external
+
+    def schedule(self, take: int) -> None:
+        """This step computes ``take`` more tokens (a prompt chunk, or the one decode token):
+        ``kv_cache_manager.py`` ``allocate_slots`` gives the sequence blocks for them and
+        caches every block they fill, ``min(computed + new, num_tokens)`` tokens, at once (so
+        a request admitted later in the same step already hits them): the prompt's blocks,
+        a connector's included, then generated tokens' blocks."""
+        cache = self.run.cache
+        if cache is None:
+            return
+        if self.n_out:  # decoding: the last sampled token goes in
+            upto = self.prompt_len + self.n_out
+        else:
+            upto = self.prompt_len - self.prefill_left + take
+        blocks = self.blocks
+        while upto > len(blocks) * BLOCK_SIZE:
+            blocks.append(cache.new_block())
+        full = upto // BLOCK_SIZE
+        if full <= self.n_cached_blocks:  # most decode steps: no block filled
+            return
+        hashes = self.hashes
+        while len(hashes) < full:  # a block of generated tokens (or straddling the prompt's end)
+            start = len(hashes) * BLOCK_SIZE
+            ids = self.prompt[start : start + BLOCK_SIZE]
+            cut = max(0, start - self.prompt_len)
+            ids += self.tokens[cut : cut + BLOCK_SIZE - len(ids)]
+            hashes.append(hash_block(hashes[-1] if hashes else None, ids))
+        for i in range(self.n_cached_blocks, full):
+            cache.cache(blocks[i], hashes[i])
+        self.n_cached_blocks = full
+
+    def free(self) -> None:
+        """``kv_cache_manager.py`` ``free``: the blocks back to the pool, the tail first."""
+        cache = self.run.cache
+        if cache is not None and self.blocks:
+            blocks, self.blocks = self.blocks, []
+            cache.free_blocks(blocks[::-1])
 
     def emit(self, now: float) -> Event:
         """Sample the next token, apply vLLM's stop checks, record it and queue its event."""
@@ -192,6 +406,8 @@ class Seq:
         self.finish = finish
         self.stop_reason = stop_reason
         self.done = finish is not None
+        if self.done:
+            self.free()
         ev = Event(self.index, tok, self.text.delta(self.done), finish, stop_reason)
         self._record(now)
         if not self.run.direct:
@@ -204,11 +420,13 @@ class Seq:
         m = self.run.metrics
         m.generation_tokens.inc()
         if self.n_out == 1:
-            computed = min(self.prompt_len, max(self.uncached, 1))
-            cached = self.prompt_len - computed
+            # stats.py PrefillStats.set / PromptTokenStats (0.31): local hit and connector
+            # tokens as admission found them, the rest computed
+            cached = self.local_hit + self.external
             m.prompt_tokens.inc(self.prompt_len)
-            m.prompt_by_source["local_compute"].inc(computed)
-            m.prompt_by_source["external_kv_transfer"].inc(cached)
+            m.prompt_by_source["local_compute"].inc(self.prompt_len - cached)
+            m.prompt_by_source["local_cache_hit"].inc(self.local_hit)
+            m.prompt_by_source["external_kv_transfer"].inc(self.external)
             m.prompt_cached.inc(cached)
             m.ttft.observe(now - self.arrival)
             self.first_ts = now
@@ -225,7 +443,7 @@ class Seq:
         m.decode.observe(decode)
         m.inference.observe(self.last_ts - self.scheduled_ts)
         m.preemptions.observe(0)
-        m.kv_computed.observe(min(self.prompt_len, max(self.uncached, 1)))
+        m.kv_computed.observe(self.prompt_len - self.local_hit - self.external)
         m.req_prompt.observe(self.prompt_len)
         m.req_gen.observe(self.n_out)
         m.tpot.observe(decode / (self.n_out - 1) if self.n_out > 1 else 0)
@@ -245,7 +463,9 @@ class Engine:
         self.running: list[Seq] = []
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
-        self.sleep = asyncio.sleep  # how a step's duration passes (tests record it instead)
+        # how a step's duration passes (tests record it instead)
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        self.busy_s = 0.0  # seconds of steps so far (pd_sim_busy_seconds_total)
 
     @property
     def zero_delay(self) -> bool:
@@ -277,14 +497,16 @@ class Engine:
             if budget <= 0:
                 break
             take = min(s.prefill_left, budget) if s.prefill_left else 1
+            s.schedule(take)
             batch.append((s, take, s.prefill_left > 0))
             budget -= take
         while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
             s = self.waiting.popleft()
             if s.cancelled:
                 continue
-            s.mark_scheduled(now)
+            s.mark_scheduled(now)  # admission: the prefix-cache lookup sets prefill_left
             take = min(s.prefill_left, budget)
+            s.schedule(take)
             self.running.append(s)
             batch.append((s, take, True))
             budget -= take
@@ -314,6 +536,7 @@ class Engine:
             prefill = sum(take for _, take, is_prefill in batch if is_prefill)
             decodes = sum(1 for _, _, is_prefill in batch if not is_prefill)
             ms = self._step_ms(prefill, decodes)
+            self.busy_s += ms * self._factor() / 1000
             await self.sleep(ms * self._factor() / 1000)
             now = time.monotonic()
             sampled = 0

@@ -195,11 +195,15 @@ class VllmMetrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        # the local prefix cache (engine.py PrefixCache): per admitted request its prompt
+        # length and its cache hit, in tokens (stats.py PrefixCacheStats.record, 0.31)
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
         )
-        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.ext_queries = counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, in "

@@ -24,6 +24,14 @@ the vLLM file it was checked against (paths relative to the ``vllm/`` package):
   plus the simulator's own ``pd_sim_*`` counters;
 - scheduling and timing: ``engine.py`` (``v1/core/sched/scheduler.py``, chunked prefill
   with ``max_num_batched_tokens``);
+- automatic prefix caching: ``engine.py`` ``PrefixCache`` (``v1/core/kv_cache_manager.py``,
+  ``block_pool.py``, ``kv_cache_utils.py``): a pool of ``--prefix-cache-tokens`` / 16 blocks
+  per engine (0 = ``--no-enable-prefix-caching``), full blocks hashed in a chain, the longest
+  cached prefix reused at admission (never the prompt's last token) and only the rest
+  computed, LRU eviction with a finished request's tail blocks first,
+  ``vllm:prefix_cache_queries``/``vllm:prefix_cache_hits``; KV a connector delivered (NIXL,
+  LMCache) is cached on the decoder too; ``GET /sim/prefix_cache`` (simulator only) shows
+  the pool;
 - NIXL prefill answers carry the ``kv_transfer_params`` of ``NixlConnector``'s
   ``request_finished`` (``distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``).
 
@@ -32,8 +40,9 @@ choices differ by a per-index seed, temperature/top_p/... are validated but chan
 nothing), logprobs, echo, tools and reasoning parsers, structured outputs, beam search,
 ``truncate_prompt_tokens``, prompt embeds, multimodal input, LoRA, the tokenizer's
 character-length pre-check, pydantic's exact wording for malformed chat ``messages``, KV
-cache capacity and preemption, prefix caching, and any 0.33 response-shape change other
-than the length rule.
+cache capacity and preemption, ``cache_salt``, the NIXL prefiller's
+``remote_prefill_cached_tokens`` in its ``kv_transfer_params``, and any 0.33 response-shape
+change other than the length rule.
 """
 
 from __future__ import annotations
@@ -57,7 +66,15 @@ from pd_router.handoff.lmcache_wire import encode_notif
 from pd_router.http_server import write_port_file
 from pd_router_dev.sim import model as M
 from pd_router_dev.sim import protocol as P
-from pd_router_dev.sim.engine import BLOCK_SIZE, Engine, Event, Run, Seq
+from pd_router_dev.sim.engine import (
+    BLOCK_SIZE,
+    Engine,
+    Event,
+    PrefixCache,
+    Run,
+    Seq,
+    block_hashes,
+)
 from pd_router_dev.sim.metrics import VllmMetrics
 
 FAULTS = (
@@ -107,6 +124,9 @@ class SimConfig:
     max_num_seqs: int = 1024
     num_gpu_blocks: int = 8192  # vLLM's --num-gpu-blocks-override; profiled on a real GPU
     step_time: str = "sum"  # sum | max: how a step's duration is modelled (engine.py)
+    # vLLM's automatic prefix caching (on by default, engine/arg_utils.py 0.31): the tokens
+    # of KV its block pool holds (16 per block, engine.py PrefixCache); 0 = off
+    prefix_cache_tokens: int = 262144
 
 
 def random_uuid() -> str:
@@ -166,6 +186,8 @@ class SimEngine:
         self.state: dict[str, Any] = {"fault": cfg.fault, "fault_count": -1}
         self.vm = VllmMetrics(cfg.model, cfg.max_model_len, cfg.kv_connector, cfg.vllm_version)
         self.engine = Engine(cfg, self.state, self.vm)
+        blocks = cfg.prefix_cache_tokens // BLOCK_SIZE
+        self.prefix_cache = PrefixCache(blocks) if blocks > 1 else None
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)
         self.kv_store: OrderedDict[int, int] = OrderedDict()  # prefix hash -> n tokens
         self.handshaken: set[tuple[str, int]] = set()
@@ -344,6 +366,11 @@ class SimEngine:
             self.requests.clear()
         return web.json_response(out)
 
+    async def sim_prefix_cache(self, request: web.Request) -> web.Response:
+        """The prefix cache's block pool (a simulator-only view; vLLM has none)."""
+        pc = self.prefix_cache
+        return web.json_response({"enabled": pc is not None, **(pc.stats() if pc else {})})
+
     def _live_seqs(self) -> list[Seq]:
         if self.engine.zero_delay:
             # everything is instantaneous here: a sequence runs while its answer is sent
@@ -375,6 +402,8 @@ class SimEngine:
             f"pd_sim_aborted_total {m['aborted']}",
             "# TYPE pd_sim_requests_hanging gauge",
             f"pd_sim_requests_hanging {m['hanging']}",
+            "# TYPE pd_sim_busy_seconds_total counter",
+            f"pd_sim_busy_seconds_total {self.engine.busy_s}",
         ]
         text = vm.render() + ("\n".join(lines) + "\n").encode()
         return web.Response(body=text, content_type="text/plain", charset="utf-8")
@@ -447,7 +476,7 @@ class SimEngine:
         req = ctx.req
         c = self.cfg
         kv = req.kv_transfer_params
-        run = Run(self.vm, req.n)
+        run = Run(self.vm, req.n, self.prefix_cache, c.kv_connector != "none")
         for pi, prompt in enumerate(req.prompts):
             max_tokens = req.max_tokens[pi]
             uncached = len(prompt)
@@ -464,7 +493,9 @@ class SimEngine:
                 ):
                     uncached = 1
                     self.m["kv_remote_prefill"] += 1
-                    self._nixl_transfer(run, len(prompt))
+                    # pull_scheduler.py update_state_after_alloc (0.31): only the blocks past
+                    # the decoder's own prefix-cache hit are pulled
+                    self._nixl_transfer(run, len(prompt) - self._local_hit(prompt))
             elif isinstance(kv, dict) and "disagg_spec" in kv and c.kv_connector == "lmcache":
                 spec = kv["disagg_spec"]
                 ctx.lmcache_spec = spec if isinstance(spec, dict) else None
@@ -474,10 +505,10 @@ class SimEngine:
                 if key in self.kv_store:
                     uncached = 1
                     self.m["kv_hits"] += 1
-                    self.vm.ext_hits.inc(len(prompt) - 1)
                 else:
                     self.m["kv_misses"] += 1
-                self.vm.ext_queries.inc(len(prompt))
+            # vllm:external_prefix_cache_* are counted at admission (engine.py Seq._admit),
+            # past the local prefix-cache hit
             for j in range(req.n):
                 Seq(
                     run,
@@ -521,9 +552,16 @@ class SimEngine:
         out["transfer_mode"] = "pull"
         return out
 
+    def _local_hit(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` this engine's prefix cache holds now (as admission finds them)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return 0
+        return BLOCK_SIZE * len(pc.lookup(block_hashes(prompt), (len(prompt) - 1) // BLOCK_SIZE))
+
     def _nixl_transfer(self, run: Run, n_tokens: int) -> None:
-        """The decoder pulls the prompt's KV before its first step: ``--transfer-ms`` of
-        waiting, one transfer in the NIXL metrics."""
+        """The decoder pulls the prompt's KV (what its prefix cache lacks) before its first
+        step: ``--transfer-ms`` of waiting, one transfer in the NIXL metrics."""
         c = self.cfg
         run.kv_wait = c.transfer_ms / 1000
         x = self.vm.nixl
@@ -533,8 +571,6 @@ class SimEngine:
             x["post_time"].observe(0.0)
             x["bytes"].observe(n_tokens * KV_BYTES_PER_TOKEN // max(1, c.tp))
             x["descriptors"].observe(blocks * NUM_LAYERS)
-        self.vm.ext_queries.inc(n_tokens)
-        self.vm.ext_hits.inc(n_tokens - 1)
 
     async def _next_events(self, run: Run) -> list[Event]:
         """The next events of a request: all of them at once on a zero-delay engine (each
@@ -546,10 +582,16 @@ class SimEngine:
             run.scheduled = run.direct = True
             events: list[Event] = []
             live = list(run.seqs)
+            now = time.monotonic()
+            for s in live:  # admitted in order: a later choice hits an earlier one's blocks
+                s.mark_scheduled(now)
+                s.schedule(s.prefill_left)
             step_tokens = sum(s.prefill_left for s in live)  # the first step prefills
             while live:
                 now = time.monotonic()
                 for s in live:
+                    if s.n_out:
+                        s.schedule(1)
                     events.append(s.emit(now))
                 self.vm.iteration.observe(step_tokens + len(live))
                 step_tokens = 0
@@ -857,6 +899,7 @@ def build_app(cfg: SimConfig) -> tuple[web.Application, SimEngine]:
     app.router.add_get("/metrics", sim.metrics)
     app.router.add_post("/sim/fault", sim.sim_fault)
     app.router.add_get("/sim/requests", sim.sim_requests)
+    app.router.add_get("/sim/prefix_cache", sim.sim_prefix_cache)
     app.router.add_post("/sim/release", sim.sim_release)
     app.router.add_route("*", "/{tail:.*}", sim.not_found)  # last: vLLM's 404 / 405
 
