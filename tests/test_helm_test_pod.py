@@ -54,8 +54,17 @@ def test_helm_test_script_passes_against_a_router(h4: Path, router: Proc) -> Non
     script, env = _pod(h4, THRESHOLD)
     result = _run_script(script, env, router)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "short: route=direct expected=direct answered=True" in result.stdout
-    assert "long: route=disaggregated expected=disaggregated answered=True" in result.stdout
+    assert "short: route=direct reason=below_threshold expected=direct answered=True" in result.stdout
+    assert "long: route=disaggregated reason=above_threshold expected=disaggregated" in result.stdout
+
+
+def test_helm_test_script_passes_when_run_again(h4: Path, router: Proc) -> None:
+    """`helm test` twice: the second long prompt is new to the router's prefix index too."""
+    script, env = _pod(h4, THRESHOLD)
+    for _ in range(2):
+        result = _run_script(script, env, router)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "long: route=disaggregated reason=above_threshold" in result.stdout
 
 
 def test_helm_test_script_fails_when_a_route_is_wrong(h4: Path, router: Proc) -> None:
@@ -64,4 +73,4 @@ def test_helm_test_script_fails_when_a_route_is_wrong(h4: Path, router: Proc) ->
     script, env = _pod(h4, 0)
     result = _run_script(script, env, router)
     assert result.returncode == 1
-    assert "short: route=direct expected=disaggregated" in result.stdout
+    assert "short: route=direct reason=below_threshold expected=disaggregated" in result.stdout

@@ -216,7 +216,11 @@ class LMCacheStack:
     def router(self, name: str, over: dict[str, Any] | None = None) -> Proc:
         cfg = deep_merge(
             {
-                "routing": {"connector": "lmcache", "threshold": 256},
+                "routing": {
+                    "connector": "lmcache",
+                    "threshold": 256,
+                    "decision": "length",
+                },  # the hand-off under test, not the decision (test_router_decision.py)
                 "pools": {
                     "prefill": {"discovery": "static", "static": [self.prefill.url()]},
                     "decode": {"discovery": "static", "static": self.decoder_urls()},

@@ -147,7 +147,11 @@ def _setup(stack: Stack) -> Setup:
     pre = stack.sim("hb-nx-prefill", "--kv-connector", "nixl")
     dec = stack.sim("hb-nx-decode", "--kv-connector", "nixl")
     cfg = {
-        "routing": {"connector": "nixl", "threshold": 64},
+        "routing": {
+            "connector": "nixl",
+            "threshold": 64,
+            "decision": "length",
+        },  # the hand-off under test, not the decision (test_router_decision.py)
         "pools": {
             "prefill": {"discovery": "static", "static": [pre.url()]},
             "decode": {"discovery": "static", "static": [dec.url()]},

@@ -48,7 +48,11 @@ class Nixl:
         decoders: list[str] | None = None,
     ) -> Proc:
         cfg: dict[str, Any] = {
-            "routing": {"connector": "nixl", "threshold": 256},
+            "routing": {
+                "connector": "nixl",
+                "threshold": 256,
+                "decision": "length",
+            },  # the hand-off under test, not the decision (test_router_decision.py)
             "pools": {
                 "prefill": {"discovery": "static", "static": [self.prefill.url()]},
                 "decode": {

@@ -111,7 +111,7 @@ def test_preset_label_values_are_the_ones_the_router_records() -> None:
     pkg = Path(metrics.__file__).parent
     src = "\n".join(f.read_text() for f in sorted(pkg.rglob("*.py")))
     reasons = set(re.findall(r'fallback\(ctx, down, "(\w+)"\)', src))
-    reasons |= set(re.findall(r'\.fallback\("(\w+)"\)', src))
+    reasons |= set(re.findall(r'\.fallback\(ctx, "(\w+)"\)', src))
     # LMCacheRoute._plan answers a fallback reason as a string
     plan = (pkg / "handoff" / "lmcache.py").read_text().split("async def _plan", 1)[1]
     plan = plan.split("\n    async def ", 1)[0]
@@ -120,7 +120,14 @@ def test_preset_label_values_are_the_ones_the_router_records() -> None:
     assert {"unsupported_fields", "too_long", "decode_retry", "notify_timeout"} <= reasons
     assert reasons <= set(metrics.FALLBACK_REASONS), reasons - set(metrics.FALLBACK_REASONS)
     assert set(re.findall(r'rejected\.labels\("(\w+)"\)', src)) == set(metrics.REJECT_REASONS)
+    decide_src = (pkg / "decide.py").read_text()
+    decided = set(re.findall(r'reason, disagg = "(\w+)"', decide_src))
+    decided |= set(re.findall(r'Decision\((?:True|False), "skipped", "(\w+)"\)', decide_src))
+    decided |= set(re.findall(r'"(\w+_threshold)" if long', decide_src))
+    decided |= {"above_threshold", "below_threshold"}
+    assert decided == {reason for _, reason in metrics.DECIDED}, decided
     text = metrics.Metrics().render().decode()
+    assert 'pd_router_decisions_total{reason="prefix_cached",route="direct"} 0.0' in text
     assert 'pd_router_fallbacks_total{reason="notify_timeout"} 0.0' in text
     assert 'pd_router_requests_total{outcome="rejected",route="none"} 0.0' in text
     m = metrics.Metrics()

@@ -56,7 +56,11 @@ def start(stack: Stack, engines: tuple[Proc, Proc], name: str, workers: int) -> 
     pre, dec = engines
     cfg = {
         "listen": {"workers": workers},
-        "routing": {"connector": "nixl", "threshold": 256},
+        "routing": {
+            "connector": "nixl",
+            "threshold": 256,
+            "decision": "length",
+        },  # the hand-off under test, not the decision (test_router_decision.py)
         "pools": {
             "prefill": {"discovery": "static", "static": [pre.url()]},
             "decode": {"discovery": "static", "static": [dec.url()]},

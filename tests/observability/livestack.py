@@ -166,10 +166,12 @@ class LiveStack:
                 model=self.model, messages=msgs, max_tokens=8, stream=True
             ) as r:
                 route = r.headers.get("x-pd-route", "")
+                self.last_reason = r.headers.get("x-pd-reason", "")
                 for _ in r.parse():
                     pass
                 return route
         raw = c.chat.completions.with_raw_response.create(model=self.model, messages=msgs, max_tokens=8)
+        self.last_reason = raw.headers.get("x-pd-reason", "")
         return raw.headers.get("x-pd-route", "")
 
     def _router_gauge(self, name: str) -> float:
@@ -184,16 +186,17 @@ class LiveStack:
     def drive(self) -> dict[str, int]:
         routes: dict[str, int] = {}
         for i in range(4):
-            for content in ("What is disaggregated serving?", LONG + f" ({i})"):
+            # each long prompt new from its first block on: none is a prefix-cache hit
+            for content in ("What is disaggregated serving?", f"({i}) " + LONG):
                 route = self._ask(content, stream=bool(i % 2))
                 routes[route] = routes.get(route, 0) + 1
         # two fallbacks among six long prompts: the prefiller fails (with LMCache: once, and once
         # its notification never comes)
         faults = ["error", "no_notify"] if self.connector == "lmcache" else ["error", "error"]
-        for fault in faults:
+        for n, fault in enumerate(faults):
             _post(self.engines["prefill"].url() + "/sim/fault", {"mode": fault, "count": 1})
-            route = self._ask(LONG + f" ({fault})")
-            assert route == "fallback", (fault, route)
+            route = self._ask(f"({fault} {n}) " + LONG)
+            assert route == "fallback", (fault, route, self.last_reason)
             routes["fallback"] = routes.get("fallback", 0) + 1
         # a rejection: two streams held by the decoder fill maxInFlight=2, the third gets 429
         _post(self.engines["decode"].url() + "/sim/fault", {"mode": "stall"})

@@ -55,6 +55,12 @@ SCENARIOS: dict[str, dict[str, list[tuple[str, str]]]] = {
         "firing": [(f'{REQ}{{route="direct",outcome="ok"}}', "0+50x40"), (f'{REQ}{{route="none",outcome="rejected"}}', "0+5x40")],
         "healthy": [(f'{REQ}{{route="direct",outcome="ok"}}', "0+50x40"), (f'{REQ}{{route="none",outcome="rejected"}}', "2x40")],
     },
+    "PDInferencePrefillPoolSaturated": {
+        "firing": [('pd_router_decisions_total{route="direct",reason="prefill_busy"}', "0+4x40"),
+                   ('pd_router_decisions_total{route="disaggregated",reason="above_threshold"}', "0+6x40")],
+        "healthy": [('pd_router_decisions_total{route="direct",reason="prefill_busy"}', "0+1x40"),
+                    ('pd_router_decisions_total{route="disaggregated",reason="above_threshold"}', "0+9x40")],
+    },
     "PDInferenceKVCacheNearFull": {
         "firing": [('vllm:kv_cache_usage_perc{component="decode"}', "0.99x40")],
         "healthy": [('vllm:kv_cache_usage_perc{component="decode"}', "0.5x40")],

@@ -31,7 +31,7 @@ from pd_router import balancing, hub_tokenizer
 from pd_router.admission import Admission, Reject
 from pd_router.auth import ApiKeys
 from pd_router.config import RouterConfig
-from pd_router.decide import Decider
+from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route
@@ -102,7 +102,7 @@ class Router:
         self.legs = Legs(
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, cfg.model.served_name
         )
-        self.decider = Decider(cfg.routing.threshold, self.counter)
+        self.decider = Decider(cfg.routing, self.counter)
         # The hand-off is chosen once, here (routing.connector).
         self.waiter: KvWaiter | None = None
         if cfg.routing.connector == "lmcache":
@@ -354,7 +354,7 @@ class Router:
         finally:
             if self.access_log.enabled:
                 duration_ms = round((time.perf_counter() - ctx.t0) * 1000, 2)
-                self.access_log.write(rid, ctx.route, status, ctx.path, duration_ms)
+                self.access_log.write(rid, ctx.route, ctx.reason, status, ctx.path, duration_ms)
 
     async def _admit(
         self, request: web.Request, ctx: Ctx, passthrough: bool = False
@@ -376,6 +376,7 @@ class Router:
             return error_response(r.status, r.message, r.etype, {"Retry-After": r.retry_after})
         try:
             if passthrough:
+                ctx.reason = "passthrough"  # not decided: vLLM's other endpoints go to a decoder
                 bad = self._parse_passthrough(request, ctx, raw)
             else:
                 bad = self._parse(request, ctx, raw)
@@ -476,18 +477,29 @@ class Router:
 
     async def _route(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
         """decide -> the chosen route."""
-        d = await self.decider.decide(
-            ctx.body, ctx.chat, functools.partial(self._engine_count, ctx)
+        decider, out = self.decider, self.outcomes
+        pools = Pools(self.decode.healthy, self.prefill.healthy, ctx.affinity)
+        d = await decider.decide(
+            ctx.body, ctx.chat, functools.partial(self._engine_count, ctx), pools
         )
-        self.outcomes.counted(d.source, d.tokens)
-        if d.source == "skipped" and not d.disaggregate:  # several sequences: decide.py
-            self.outcomes.batch(batch_reason(ctx.body, ctx.chat) or "n")
+        out.counted(d.source, d.tokens)
+        if d.reason == "batch":
+            out.batch(batch_reason(ctx.body, ctx.chat) or "n")
         if d.exact:
             ctx.ntok = d.tokens or 0
         ctx.ptok = d.tokens or 0
         ctx.ids = d.ids
+        ctx.reason = d.reason
+        if d.blocks is not None and d.decoder is not None:
+            out.prefix(d.matched, (d.tokens or 0) - d.matched)
+            ctx.decoder = d.decoder
+            # what it will hold once this prompt is prefilled there (or its KV lands there)
+            decider.remember(d.decoder, d.blocks, self.decode.endpoints.values())
         route = self.disaggregated if d.disaggregate else self.direct
-        return await route.serve(ctx, Downstream(request))
+        try:
+            return await route.serve(ctx, Downstream(request))
+        finally:
+            out.decided(ctx)
 
     async def _engine_count(self, ctx: Ctx, body: dict[str, Any], chat: bool) -> list[int]:
         """The decision's exact count when no local tokenizer exists: an engine's /tokenize."""

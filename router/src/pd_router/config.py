@@ -70,10 +70,40 @@ class Model:
 
 
 @dataclass(frozen=True)
+class PrefixCache:
+    """The router's estimate of each decoder's vLLM prefix cache (pd_router.prefix)."""
+
+    # per decoder, per router process: what one decoder's KV cache holds (vLLM logs it as
+    # "GPU KV cache size: N tokens"); 262144 is a 70B model at TP 8 on an H100 node
+    capacity_tokens: int = 262144
+    # vLLM's --block-size (16 unless set): prefix-cache hits are whole blocks
+    block_tokens: int = 16
+    # the decoder holding the longest prefix is passed over when it has this many more requests
+    # in flight than the least busy decoder (a hot prefix must not pin all load on one pod)
+    max_load_imbalance: int = 8
+
+
+@dataclass(frozen=True)
+class PrefillBusy:
+    """Serve directly when the prefill pool is saturated and the decoder has room."""
+
+    # prompt tokens in flight on every healthy prefiller at or above which it counts as busy;
+    # 0 = never bypass the prefill pool
+    queued_tokens: int = 65536
+    # ... and only if the chosen decoder has fewer requests in flight than this
+    max_decoder_requests: int = 32
+
+
+@dataclass(frozen=True)
 class Routing:
     connector: Literal["lmcache", "nixl"] = "lmcache"
     threshold: int = 1024
     session_affinity_header: str = ""
+    # prefix: decoder first, disaggregate by the prompt tokens it does not hold (and bypass a
+    # busy prefill pool); length: the prompt's length alone (HyperPod's routingThreshold rule)
+    decision: Literal["prefix", "length"] = "prefix"
+    prefix_cache: PrefixCache = field(default_factory=PrefixCache)
+    prefill_busy: PrefillBusy = field(default_factory=PrefillBusy)
 
 
 @dataclass(frozen=True)
@@ -347,6 +377,24 @@ def _validate(cfg: RouterConfig) -> None:
     _validate_tokenizer_hub(cfg.model)
     if cfg.routing.threshold < 0:
         raise ConfigError(f"routing.threshold: must be >= 0, got {cfg.routing.threshold}")
+    pc, pb = cfg.routing.prefix_cache, cfg.routing.prefill_busy
+    if pc.block_tokens < 1:
+        raise ConfigError(f"routing.prefixCache.blockTokens: must be >= 1, got {pc.block_tokens}")
+    if pc.capacity_tokens < pc.block_tokens:
+        raise ConfigError(
+            "routing.prefixCache.capacityTokens: must hold at least one block "
+            f"(routing.prefixCache.blockTokens = {pc.block_tokens}), got {pc.capacity_tokens}"
+        )
+    if pc.max_load_imbalance < 0:
+        raise ConfigError(
+            f"routing.prefixCache.maxLoadImbalance: must be >= 0, got {pc.max_load_imbalance}"
+        )
+    if pb.queued_tokens < 0:
+        raise ConfigError(f"routing.prefillBusy.queuedTokens: must be >= 0, got {pb.queued_tokens}")
+    if pb.max_decoder_requests < 1:
+        raise ConfigError(
+            f"routing.prefillBusy.maxDecoderRequests: must be >= 1, got {pb.max_decoder_requests}"
+        )
     hdr = cfg.routing.session_affinity_header
     if hdr and not re.fullmatch(HEADER_NAME_RE, hdr):
         raise ConfigError(f"routing.sessionAffinityHeader: not a valid header name: {hdr!r}")

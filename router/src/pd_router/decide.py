@@ -1,6 +1,7 @@
 """The routing decision: is this request disaggregated (prefill, then decode) or served by one
-decoder? Pure but for the injected ``tokenize`` (an engine's /tokenize), so it is unit-tested
-without processes.
+decoder, which decoder, and why (``x-pd-reason``, ``pd_router_decisions_total``). Pure but
+for the injected ``tokenize`` (an engine's /tokenize): it reads the pools' load and the prefix
+index and changes neither, so it is unit-tested without processes.
 
 The counting ladder, cheapest exact-enough first (pd_router.tokens explains each bound):
 ``n > 1`` or a batched prompt -> direct (``skipped``; the hand-offs carry one sequence);
@@ -10,16 +11,36 @@ local tokenizer: a sampled estimate far enough from the threshold
 (``sampled``), else the exact count, off the event loop for long texts (``tokenizer``); the
 engine's /tokenize (``engine``; its ids are reused by the
 LMCache prefill leg); bytes / 4 when nothing answered (``estimate``).
+
+Then ``routing.decision``:
+
+- ``length`` (SageMaker HyperPod's ``routingThreshold`` rule): the prompt's length alone;
+  the route's balancer picks the decoder.
+- ``prefix`` (the default): the decoder is chosen first, the one the prefix index says holds
+  the longest leading part of the prompt (unless it is ``maxLoadImbalance`` requests busier
+  than the least busy; with session affinity, the session's decoder); only the prompt tokens
+  it does not hold count against the threshold (llm-d's and Dynamo's "effective input
+  length"). A long prompt is served directly when the whole prefill pool is busy
+  (``prefillBusy.queuedTokens`` prompt tokens in flight on each prefiller) and that decoder
+  has fewer than ``prefillBusy.maxDecoderRequests`` requests in flight.
+
+Reasons (``pd_router.metrics.DECIDED``): ``batch``, ``always`` (threshold 0),
+``below_threshold``, ``prefix_cached``, ``prefill_busy``, ``above_threshold``; a route that then
+cannot disaggregate replaces it with its fallback reason (``no_prefiller``, ...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pd_router import balancing
+from pd_router.config import Routing
+from pd_router.discovery import Endpoint
 from pd_router.failures import TokenizeError
 from pd_router.openai_wire import is_batch
+from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex
 from pd_router.tokens import (
     INLINE_BYTES,
     SAMPLE_MARGIN,
@@ -33,47 +54,138 @@ Tokenize = Callable[[dict[str, Any], bool], Awaitable[list[int]]]
 
 
 @dataclass(frozen=True, slots=True)
+class Count:
+    source: str  # pd_router_token_count_source_total label
+    tokens: int  # the prompt size observed (exact or estimated)
+    exact: bool = False
+    ids: list[int] | None = None  # the prompt's token ids, when they were learnt
+    data: bytes = b""  # the prompt's text as UTF-8 (the prefix index hashes it)
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     disaggregate: bool
     source: str  # pd_router_token_count_source_total label
+    reason: str  # pd_router.metrics.DECIDED
     tokens: int | None = None  # the prompt size observed (exact or estimated); None: uncounted
     exact: bool = False  # ``tokens`` is the exact prompt length
     ids: list[int] | None = None  # the prompt's token ids, when they were learnt
+    decoder: Endpoint | None = None  # chosen first (prefix mode); None: the route's balancer
+    matched: int = 0  # prompt tokens the decoder is estimated to hold already
+    blocks: Blocks | None = None  # what to record on the decoder that is sent the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The healthy engines at decision time and the request's session affinity key."""
+
+    decoders: Sequence[Endpoint]
+    prefillers: Sequence[Endpoint]
+    affinity: str | None = None
 
 
 class Decider:
-    def __init__(self, threshold: int, counter: TokenCounter) -> None:
-        self.threshold = threshold
+    def __init__(self, routing: Routing, counter: TokenCounter) -> None:
+        self.threshold = routing.threshold
         self.counter = counter
+        pc = routing.prefix_cache
+        prefix = routing.decision == "prefix"
+        self.index = PrefixIndex(pc.capacity_tokens, pc.block_tokens) if prefix else None
+        self.imbalance = pc.max_load_imbalance
+        self.busy_tokens = routing.prefill_busy.queued_tokens
+        self.max_decoder_requests = routing.prefill_busy.max_decoder_requests
 
-    async def decide(self, body: dict[str, Any], chat: bool, tokenize: Tokenize) -> Decision:
+    async def decide(
+        self, body: dict[str, Any], chat: bool, tokenize: Tokenize, pools: Pools
+    ) -> Decision:
         """``tokenize(body, chat)``: the exact ids from an engine, or TokenizeError."""
         th = self.threshold
         if is_batch(body, chat):
-            return Decision(False, "skipped")
+            return Decision(False, "skipped", "batch")
         if th == 0:
-            return Decision(True, "skipped")
+            return Decision(True, "skipped", "always")
+        c = await self._count(body, chat, tokenize)
+        index = self.index
+        if index is None:
+            long = c.tokens >= th
+            reason = "above_threshold" if long else "below_threshold"
+            return Decision(long, c.source, reason, c.tokens, c.exact, c.ids)
+        # a text prompt by its text, even when its ids are known: one key space per prompt kind
+        blocks = index.of_text(c.data, c.tokens) if c.data else index.of_ids(c.ids or [])
+        dec, held = self._decoder(pools, blocks)
+        # vLLM recomputes at least the prompt's last token (kv_cache_manager.py, 0.31.0)
+        matched = min(blocks.tokens(held), max(0, c.tokens - 1))
+        reason, disagg = "above_threshold", True
+        if c.tokens < th:
+            reason, disagg = "below_threshold", False
+        elif c.tokens - matched < th:
+            reason, disagg = "prefix_cached", False
+        elif self._prefill_busy(pools.prefillers) and (
+            dec is None or dec.active < self.max_decoder_requests
+        ):
+            reason, disagg = "prefill_busy", False
+        return Decision(disagg, c.source, reason, c.tokens, c.exact, c.ids, dec, matched, blocks)
+
+    def remember(self, ep: Endpoint, blocks: Blocks, known: Collection[Endpoint]) -> None:
+        """``ep`` is sent the prompt; decoders no longer ``known`` (discovery) are forgotten."""
+        index = self.index
+        assert index is not None
+        index.record(ep, blocks)
+        index.forget_except(known)
+
+    def _decoder(self, pools: Pools, blocks: Blocks) -> tuple[Endpoint | None, int]:
+        """The decoder holding the longest leading run of ``blocks`` (ties: the least busy),
+        unless it is ``maxLoadImbalance`` requests busier than the least busy decoder; with a
+        session affinity key, the session's decoder. Returns it and the blocks it holds."""
+        index, eps = self.index, pools.decoders
+        assert index is not None
+        if not eps:
+            return None, 0
+        if pools.affinity:
+            ep = balancing.pick(eps, balancing.decode_load, pools.affinity)
+            assert ep is not None
+            return ep, index.matched(ep, blocks)
+        best: Endpoint | None = None
+        best_n = 0
+        for ep in eps:
+            n = index.matched(ep, blocks)
+            if n > best_n or (n == best_n and best is not None and ep.active < best.active):
+                best, best_n = ep, n
+        if best is None or best.active > min(e.active for e in eps) + self.imbalance:
+            ep = balancing.pick(eps, balancing.decode_load)
+            assert ep is not None
+            return ep, index.matched(ep, blocks)
+        return best, best_n
+
+    def _prefill_busy(self, prefillers: Sequence[Endpoint]) -> bool:
+        """Every healthy prefiller has ``queuedTokens`` prompt tokens in flight or more (none
+        healthy is not busy: the route falls back, ``no_prefiller``)."""
+        lim = self.busy_tokens
+        return lim > 0 and bool(prefillers) and all(p.queued_tokens >= lim for p in prefillers)
+
+    async def _count(self, body: dict[str, Any], chat: bool, tokenize: Tokenize) -> Count:
+        th = self.threshold
         ids = None if chat else token_ids_prompt(body)
         if ids is not None:
-            return Decision(len(ids) >= th, "tokens", len(ids), True, ids)
+            return Count("tokens", len(ids), True, ids)
         text = prompt_text(body, chat)
         allowance = template_allowance(body, chat)
-        nbytes = len(text.encode("utf-8", "surrogatepass")) + allowance
+        data = text.encode("utf-8", "surrogatepass")
+        nbytes = len(data) + allowance
         if nbytes < th:  # a token covers at least one byte: cannot reach the threshold
-            return Decision(False, "bound", max(1, nbytes // 4))
+            return Count("bound", max(1, nbytes // BYTES_PER_TOKEN), data=data)
         counter = self.counter
         if counter.local is not None:
             if nbytes <= INLINE_BYTES:
                 n = counter.local_count(text, allowance)
-                return Decision(n >= th, "tokenizer", n, True)
+                return Count("tokenizer", n, True, data=data)
             est = counter.sampled(text, nbytes - allowance, allowance)
             if est >= th * SAMPLE_MARGIN or est * SAMPLE_MARGIN <= th:
-                return Decision(est >= th, "sampled", est)
+                return Count("sampled", est, data=data)
             n = await counter.count(text, allowance)
-            return Decision(n >= th, "tokenizer", n, True)
+            return Count("tokenizer", n, True, data=data)
         try:
             ids = await tokenize(body, chat)
         except TokenizeError:
-            est = max(1, nbytes // 4)
-            return Decision(est >= th, "estimate", est)
-        return Decision(len(ids) >= th, "engine", len(ids), True, ids)
+            return Count("estimate", max(1, nbytes // BYTES_PER_TOKEN), data=data)
+        return Count("engine", len(ids), True, ids, data)

@@ -24,7 +24,7 @@ from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
 from pd_router.lease import Lease
 from pd_router.openai_wire import error_body, error_detail, sse_error, tokenize_request
-from pd_router.request import FALLBACK, Ctx, Outcomes
+from pd_router.request import Ctx, Outcomes
 from pd_router.upstream import Response, UpstreamClient
 
 log = logging.getLogger("pd_router")
@@ -148,6 +148,8 @@ class Legs:
         tried: list[Endpoint] = []
         avoid: list[Endpoint] = list(exclude)
         last: LegError | None = None
+        if prefer is None and ctx.decoder is not None and ctx.decoder not in avoid:
+            prefer = ctx.decoder  # the decision's (it may hold the prompt's prefix)
         while True:
             if prefer is not None:
                 ep, prefer = prefer, None
@@ -166,8 +168,7 @@ class Legs:
                 out.retry("decode")
                 if retry_data is not None and data is not retry_data:
                     data = retry_data
-                    out.fallback("decode_retry")
-                    ctx.route = FALLBACK
+                    out.fallback(ctx, "decode_retry")
             tried.append(ep)
             try:
                 resp = await self._try_decoder(ctx, ep, path, data, stream, idle)

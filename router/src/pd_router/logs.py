@@ -163,7 +163,9 @@ class AccessLog:
         self._second = -1
         self._stamp = ""
 
-    def write(self, rid: str, route: str, status: int, path: str, duration_ms: float) -> None:
+    def write(
+        self, rid: str, route: str, reason: str, status: int, path: str, duration_ms: float
+    ) -> None:
         now = time.time()
         second = int(now)
         if second != self._second:
@@ -176,6 +178,7 @@ class AccessLog:
             "msg": "request",
             "request_id": rid,
             "route": route,
+            "reason": reason,
             "status": status,
             "path": path,
             "duration_ms": duration_ms,

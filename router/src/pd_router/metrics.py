@@ -38,6 +38,16 @@ FALLBACK_REASONS = (
     "reasoning_parser",
 )  # fmt: skip
 REJECT_REASONS = ("queue_full", "queue_timeout")
+# pd_router_decisions_total{route, reason}: what pd_router.decide returns (a fallback is counted
+# with route fallback and its FALLBACK_REASONS reason)
+DECIDED = (
+    ("direct", "batch"),
+    ("direct", "below_threshold"),
+    ("direct", "prefix_cached"),
+    ("direct", "prefill_busy"),
+    ("disaggregated", "always"),
+    ("disaggregated", "above_threshold"),
+)
 # pd_router_batch_requests_total{reason}: openai_wire.batch_reason (n > 1, several prompts)
 BATCH_REASONS = ("n", "prompts")
 SIDECAR_OUTCOMES = ("ok", "timeout", "error")
@@ -95,6 +105,27 @@ class Metrics:
             "Prefill leg plus KV hand-off wait",
             ["connector"],
             buckets=_LAT,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pd_router_decisions",
+            "Requests by the route they were served on and why (pd_router.decide; the reason "
+            "is the x-pd-reason header)",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.prefix_matched = Histogram(
+            "pd_router_prefix_matched_tokens",
+            "Prompt tokens the chosen decoder is estimated to hold in its prefix cache "
+            "(routing.decision prefix)",
+            buckets=(0, *_TOK),
+            registry=r,
+        )
+        self.uncached = Histogram(
+            "pd_router_uncached_prompt_tokens",
+            "Prompt tokens the chosen decoder is estimated not to hold: what the threshold "
+            "is compared with (routing.decision prefix)",
+            buckets=_TOK,
             registry=r,
         )
         self.upstream_errors = Counter(
@@ -179,6 +210,9 @@ class Metrics:
             self.requests.labels(route, outcome)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)
+            self.decisions.labels("fallback", reason)
+        for route, reason in DECIDED:
+            self.decisions.labels(route, reason)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         for reason in BATCH_REASONS:

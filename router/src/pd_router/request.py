@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pd_router.discovery import Endpoint
 from pd_router.metrics import Metrics
 
 DIRECT = "direct"
@@ -29,12 +30,14 @@ class Ctx:
         "affinity",
         "body",
         "chat",
+        "decoder",
         "headers",
         "ids",
         "ntok",
         "path",
         "ptok",
         "raw",
+        "reason",
         "rid",
         "route",
         "stream",
@@ -50,6 +53,8 @@ class Ctx:
         # pre-encoded upstream header block (rid is validated: no CR/LF possible)
         self.headers = b"Content-Type: application/json\r\nX-Request-Id: %s\r\n" % rid.encode()
         self.route = DIRECT
+        self.reason = ""  # why it went there: decide.REASONS, or the fallback's reason
+        self.decoder: Endpoint | None = None  # the decision's decoder (legs prefer it)
         self.t0 = time.perf_counter()
         self.ttft_done = False
         self.raw = b""  # the body as it goes to an engine unchanged
@@ -60,7 +65,7 @@ class Ctx:
         self.ids: list[int] | None = None  # prompt token ids when known (reused by LMCache)
 
     def reply_headers(self) -> dict[str, str]:
-        return {"x-pd-route": self.route, "x-request-id": self.rid}
+        return {"x-pd-route": self.route, "x-pd-reason": self.reason, "x-request-id": self.rid}
 
 
 class Outcomes:
@@ -104,8 +109,19 @@ class Outcomes:
     def upstream(self, pool: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(pool, kind).inc()
 
-    def fallback(self, reason: str) -> None:
+    def fallback(self, ctx: Ctx, reason: str) -> None:
+        """``ctx`` is served another way than decided, for ``reason``."""
         self.metrics.fallbacks.labels(reason).inc()
+        ctx.route = FALLBACK
+        ctx.reason = reason
+
+    def prefix(self, matched: int, uncached: int) -> None:
+        self.metrics.prefix_matched.observe(matched)
+        self.metrics.uncached.observe(uncached)
+
+    def decided(self, ctx: Ctx) -> None:
+        """Where the request went and why (counted when its route is final)."""
+        self.metrics.decisions.labels(ctx.route, ctx.reason).inc()
 
     def batch(self, reason: str) -> None:
         """A request for several completions, served directly (openai_wire.batch_reason)."""

@@ -16,12 +16,13 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
     with open(out, "w") as f:
         access = AccessLog(logger, f)
         assert access.enabled
-        access.write("rid-1", "direct", 200, "/v1/completions", 1.25)
+        access.write("rid-1", "direct", "prefix_cached", 200, "/v1/completions", 1.25)
     line = json.loads(out.read_text())
     record = logging.LogRecord("pd_router", logging.INFO, __file__, 1, "request", None, None)
     for k, v in {
         "request_id": "rid-1",
         "route": "direct",
+        "reason": "prefix_cached",
         "status": 200,
         "path": "/v1/completions",
         "duration_ms": 1.25,

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pd_router.decide import Decider, Decision
+from pd_router.config import Routing
+from pd_router.decide import Decider, Decision, Pools
 from pd_router.failures import TokenizeError
 
 
@@ -56,7 +57,8 @@ def decide(
         return list(range(engine))
 
     c = counter or Counter(per_char)
-    d = asyncio.run(Decider(threshold, c).decide(body, chat, tokenize))  # type: ignore[arg-type]
+    decider = Decider(Routing(threshold=threshold, decision="length"), c)  # type: ignore[arg-type]
+    d = asyncio.run(decider.decide(body, chat, tokenize, Pools([], [])))
     return d, asked
 
 
@@ -66,12 +68,12 @@ def decide(
 )
 def test_batches_and_n_above_one_go_direct_uncounted(body: dict[str, Any]) -> None:
     d, asked = decide(body, engine=10_000)
-    assert d == Decision(False, "skipped") and asked == 0
+    assert d == Decision(False, "skipped", "batch") and asked == 0
 
 
 def test_threshold_zero_disaggregates_without_counting() -> None:
     d, asked = decide({"prompt": "hi"}, threshold=0, engine=5)
-    assert d == Decision(True, "skipped") and asked == 0
+    assert d == Decision(True, "skipped", "always") and asked == 0
 
 
 @pytest.mark.parametrize(("n", "split"), [(99, False), (100, True)])

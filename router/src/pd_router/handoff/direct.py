@@ -8,7 +8,7 @@ from aiohttp import web
 
 from pd_router.failures import LegError
 from pd_router.legs import Downstream, Legs
-from pd_router.request import FALLBACK, Ctx
+from pd_router.request import Ctx
 
 
 class DirectRoute:
@@ -46,6 +46,5 @@ class DirectRoute:
 
     async def fallback(self, ctx: Ctx, down: Downstream, reason: str) -> web.StreamResponse:
         """Serve a request meant for the hand-off directly, counting why."""
-        self.legs.outcomes.fallback(reason)
-        ctx.route = FALLBACK
+        self.legs.outcomes.fallback(ctx, reason)
         return await self.send(ctx, down, ctx.raw)

@@ -57,7 +57,7 @@ from pd_router.openai_wire import (
     usage_chunk,
     whole_answer,
 )
-from pd_router.request import DISAGG, FALLBACK, Ctx
+from pd_router.request import DISAGG, Ctx
 from pd_router.upstream import Response
 
 log = logging.getLogger("pd_router.lmcache")
@@ -274,7 +274,9 @@ class LMCacheRoute:
         pre = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
         if pre is None:
             return "no_prefiller"
-        dec = balancing.pick(legs.decode_pool.healthy, balancing.decode_load, ctx.affinity)
+        dec = ctx.decoder or balancing.pick(
+            legs.decode_pool.healthy, balancing.decode_load, ctx.affinity
+        )
         if dec is None:
             return NO_DECODER
         ids = ctx.ids
@@ -429,9 +431,8 @@ class LMCacheRoute:
             "prefill", "sidecar_error" if outcome == "error" else "notify_timeout"
         )
         legs.prefill_pool.report_failure(plan.pre)
-        legs.outcomes.fallback("notify_timeout")
+        legs.outcomes.fallback(ctx, "notify_timeout")
         log.warning("LMCache notification timed out", extra={"request_id": ctx.rid})
-        ctx.route = FALLBACK
         return False
 
     async def _decode(

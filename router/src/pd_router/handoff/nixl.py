@@ -77,8 +77,8 @@ class NixlRoute:
             return await direct.fallback(ctx, down, "no_prefiller")
         ctx.route = DISAGG
         t0 = time.perf_counter()
-        # prefiller load: the exact prompt length when it was counted, else bytes / 4
-        ntok = ctx.ntok or len(ctx.raw) // 4
+        # prefiller load: the prompt length as the decision saw it, else bytes / 4
+        ntok = ctx.ptok or len(ctx.raw) // 4
         try:
             status, resp, praw = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
         except LegError as err:
