@@ -415,7 +415,9 @@ class Router:
             return error_response(408, msg, "invalid_request_error")
         except (HttpProcessingError, RequestPayloadError) as exc:  # a broken chunked body, etc.
             count("none", "bad_request")
-            msg = f"unreadable request body: {getattr(exc, 'message', '') or exc}"
+            # the parser's first line only: the rest quotes the body (a prompt)
+            why = str(getattr(exc, "message", "") or exc).split("\n", 1)[0].rstrip(":")
+            msg = f"unreadable request body: {why}"
             return error_response(400, msg, "invalid_request_error")
 
     def _parse(self, request: web.Request, ctx: Ctx, raw: bytes) -> web.Response | None:

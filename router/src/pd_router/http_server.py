@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 
 class _HeadDeadlineHandler(RequestHandler):
@@ -42,6 +42,22 @@ class _HeadDeadlineHandler(RequestHandler):
         if self._head_timer is not None and self._request_count > 0:
             self._head_timer.cancel()
             self._head_timer = None
+        self._fail_open_body()
+
+    def _fail_open_body(self) -> None:
+        """A chunked body that breaks after its request was dispatched (head and body in
+        separate reads, then a chunk longer than its size line): aiohttp 3.14 queues the
+        parser's error as the next message and leaves the running request's body open, so
+        its handler would wait timeouts.clientBodySeconds and answer 408. The body gets the
+        parser's error instead, which the handler answers with a 400 at once."""
+        req = self._current_request
+        if req is None or not self._messages:
+            return
+        msg = self._messages[-1][0]
+        if isinstance(msg, _ErrInfo) and not req.content.is_eof():
+            req.content.set_exception(msg.exc)
+            req.content.feed_eof()  # nothing more to read: aiohttp's lingering read is skipped
+            self.close()  # after this answer; the queued error needs none of its own
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head_timer is not None:
