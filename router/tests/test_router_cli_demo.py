@@ -43,8 +43,9 @@ def test_demo_once() -> None:
         timeout=180,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "route=direct" in out.stdout
-    assert "route=disaggregated" in out.stdout
+    assert "route=direct reason=below_threshold" in out.stdout
+    assert "route=disaggregated reason=above_threshold" in out.stdout
+    assert "[next-turn request" in out.stdout and "route=direct reason=prefix_cached" in out.stdout
     assert "TTFT=" in out.stdout
     assert "model           llama-3.3-70b" in out.stdout
 

@@ -26,7 +26,7 @@ LONG_DOC = (
 ) * 60
 
 
-def _ask(client: object, model: str, content: str) -> tuple[str, str, float, float]:
+def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float, float]:
     t0 = time.perf_counter()
     ttft = 0.0
     parts: list[str] = []
@@ -38,17 +38,18 @@ def _ask(client: object, model: str, content: str) -> tuple[str, str, float, flo
         stream=True,
     ) as resp:
         route = resp.headers.get("x-pd-route", "?")
+        reason = resp.headers.get("x-pd-reason", "?")
         for chunk in resp.parse():
             if chunk.choices and chunk.choices[0].delta.content:
                 if not ttft:
                     ttft = time.perf_counter() - t0
                 parts.append(chunk.choices[0].delta.content)
-    return "".join(parts), route, ttft, time.perf_counter() - t0
+    return "".join(parts), route, reason, ttft, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pd_router_dev.demo", description=__doc__)
-    p.add_argument("--once", action="store_true", help="exit after the two requests")
+    p.add_argument("--once", action="store_true", help="exit after the three requests")
     p.add_argument("--connector", choices=["lmcache", "nixl"], default="lmcache")
     p.add_argument("--port", type=int, default=0, help="router port on 127.0.0.1 (0 = a free one)")
     p.add_argument("--model", default=MODEL, help="model name the engines serve and clients send")
@@ -120,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"model           {cfg.model.served_name}  (clients send this as `model`)")
         client = openai.OpenAI(base_url=router.url() + "/v1", api_key="demo", max_retries=0)
+        long = LONG_DOC + "\nSummarise the text above."
         for label, content in (
             ("short", "What is disaggregated serving?"),
-            ("long", LONG_DOC + "\nSummarise the text above."),
+            ("long", long),
+            # the decoder that received the long prompt's KV holds it: no prefill leg again
+            ("next-turn", long + "\nNow in one sentence."),
         ):
-            answer, route, ttft, total = _ask(client, cfg.model.served_name, content)
+            answer, route, reason, ttft, total = _ask(client, cfg.model.served_name, content)
             print(
-                f"\n[{label} request: {len(content)} chars] route={route} "
+                f"\n[{label} request: {len(content)} chars] route={route} reason={reason} "
                 f"TTFT={ttft * 1000:.0f} ms total={total * 1000:.0f} ms"
             )
             print(f"  answer: {answer.strip()}")
