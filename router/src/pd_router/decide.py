@@ -179,7 +179,7 @@ class Decider:
             if nbytes <= INLINE_BYTES:
                 n = counter.local_count(text, allowance)
                 return Count("tokenizer", n, True, data=data)
-            est = counter.sampled(text, nbytes - allowance, allowance)
+            est = await counter.estimate(text, nbytes - allowance, allowance)
             if est >= th * SAMPLE_MARGIN or est * SAMPLE_MARGIN <= th:
                 return Count("sampled", est, data=data)
             n = await counter.count(text, allowance)
