@@ -1,5 +1,7 @@
 """``make bench``: our router against the Rust ``vllm-router`` 0.1.17 (PyPI) and against the
-engine directly, one run, plus a mixed-traffic scenario on simulated engines that take time.
+engine directly, one run, plus a mixed-traffic and a multi-turn chat scenario on simulated
+engines that take time (``pd_router_dev.mixed``, ``pd_router_dev.multiturn``) and what the
+routing decision costs, measured in this process (``pd_router_dev.decision_cost``).
 
 Throughput matrix (every cell the same chat completions body, 16 output tokens, at each client
 concurrency; not streamed, streamed with the engine writing each stream at once, and streamed
@@ -25,6 +27,15 @@ TTFT for streams, router CPU per request (utime+stime of the router and its chil
 /proc), how many cores it kept busy, and its RSS under load (the sum over its processes);
 then the ratios ours / vllm-router against the targets of issue 15. One JSON line per cell
 and round goes next to the markdown table (``--out x.md`` also writes ``x.jsonl``).
+
+Multi-turn chat (issue 13): chat sessions whose later turns resend a growing context, with
+unrelated long prompts and short requests, at the same engine count: 2 colocated engines vs
+1 prefill + 1 decode with ``routing.decision: length`` vs ``decision: prefix``; TTFT (later
+turns apart), ITL, the prefiller's busy seconds, KV tokens moved and the ``x-pd-reason``
+headers seen, then prefix / length against issue 13's targets. The decision's cost (issue
+15): the event loop's blocked time and CPU and the process's CPU per decision of an
+8,000-token chat prompt, far from the threshold (sampled estimate) and near it (exact count
+in a thread), both decisions, against 1 ms on the loop and 2 ms of CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from typing import Any
 
 import yaml
 
-from pd_router_dev import fastengine, mixed
+from pd_router_dev import decision_cost, fastengine, mixed, multiturn
 from pd_router_dev.devstack import (
     DEMO_CONFIG,
     Proc,
@@ -741,8 +752,134 @@ def _mixed_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _classes(by_class: dict[str, dict[str, int]]) -> str:
+    order = ("turn 1", "later turn", "long", "short")
+    keys = [k for k in order if k in by_class] + sorted(set(by_class) - set(order))
+    return "; ".join(f"{k}: " + ", ".join(f"{r} {n}" for r, n in by_class[k].items()) for k in keys)
+
+
+def _multiturn_table(rows: list[dict[str, Any]], extra: list[Any]) -> list[str]:
+    spec = rows[0]["spec"]
+    desc = multiturn.Spec(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
+    ).describe()
+    head = (
+        "setup",
+        "TTFT p50 / p99 ms",
+        "later turns: TTFT p50 / p99 ms (n)",
+        "ITL p50 / p99 ms",
+        "prefiller busy s",
+        "engines busy s",
+        "prompt tokens computed",
+        "KV tokens moved (transfers)",
+        "requests (errors)",
+        "x-pd-reason seen",
+    )
+    lines = [
+        "",
+        f"**Multi-turn chat** ({desc}; our router pinned as above; busy = seconds of engine "
+        "steps, `pd_sim_busy_seconds_total`; KV moved = what the decoder pulled over NIXL):",
+        "",
+        _row(*head),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for m in rows:
+        lines.append(
+            _row(
+                m["label"],
+                f"{_f(m['ttft_p50_ms'], '{:.0f}')} / {_f(m['ttft_p99_ms'], '{:.0f}')}",
+                f"{_f(m['later_ttft_p50_ms'], '{:.0f}')} / "
+                f"{_f(m['later_ttft_p99_ms'], '{:.0f}')} ({m['later_n']})",
+                f"{_f(m['itl_p50_ms'], '{:.1f}')} / {_f(m['itl_p99_ms'], '{:.1f}')}",
+                _f(m["prefill_busy_s"], "{:.1f}"),
+                _f(m["engines_busy_s"], "{:.1f}"),
+                f"{m['computed_tokens']:,.0f}",
+                f"{m['kv_tokens_moved']:,.0f} ({m['kv_transfers']:.0f})",
+                f"{m['requests']} ({m['errors']})",
+                _classes(m["reasons_by_class"]),
+            )
+        )
+    cmp = multiturn.compare(rows)
+    if cmp is None:
+        return lines
+    extra.append(cmp)
+    kv = cmp["kv_tokens"]
+    kv_cell = "-" if kv is None else f"{kv:.2f} {'✓' if cmp['kv_tokens_ok'] else '✗'}"
+    lines += [
+        "",
+        "**decision: prefix / decision: length** (issue 13's targets: later-turn TTFT p50 at "
+        f"most {multiturn.LATER_TTFT_TARGET:g} (2x lower), ITL p99 at most "
+        f"{multiturn.ITL_P99_TARGET:g}, KV tokens moved below 1):",
+        "",
+        _row(
+            "later-turn TTFT p50",
+            "ITL p99",
+            "KV tokens moved",
+            "prefiller busy",
+            "TTFT p50 (all)",
+            "TTFT p99 (all)",
+        ),
+        "|---:|---:|---:|---:|---:|---:|",
+        _row(
+            _ok(cmp["later_ttft_p50"], multiturn.LATER_TTFT_TARGET, True),
+            _ok(cmp["itl_p99"], multiturn.ITL_P99_TARGET, True),
+            kv_cell,
+            _f(cmp["prefill_busy"]),
+            _f(cmp["ttft_p50"]),
+            _f(cmp["ttft_p99"]),
+        ),
+    ]
+    return lines
+
+
+def _decision_cost_table(rows: list[dict[str, Any]]) -> list[str]:
+    r0 = rows[0]
+    lines = [
+        "",
+        "**The decision's cost** (`pd_router.decide.Decider` in this process with a byte-level "
+        f"BPE tokenizer of {decision_cost.VOCAB:,} tokens trained here; chat prompts of "
+        f"{r0['prompt_tokens']:,.0f} tokens, {r0['bytes_per_token']:.2f} bytes/token; the mean "
+        f"of {r0['runs']} decisions per case; `prefix` includes `Decider.remember`; issue 15's "
+        f"targets: the loop blocked at most {decision_cost.LOOP_TARGET_MS:g} ms, at most "
+        f"{decision_cost.TOTAL_TARGET_MS:g} ms of CPU where bounds decide; near the threshold "
+        "the exact count runs in a thread, its CPU for information):",
+        "",
+        _row(
+            "case",
+            "threshold",
+            "counted by",
+            "loop blocked ms (p99)",
+            "loop thread CPU ms",
+            "process CPU ms",
+            "wall ms",
+        ),
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        total = r["total_cpu_ms"]
+        tot = _f(total, "{:.2f}") if r["total_ok"] is None else _ok(total, 2.0, True)
+        lines.append(
+            _row(
+                r["label"],
+                r["threshold"],
+                ", ".join(r["sources"]),
+                f"{_ok(r['loop_blocked_ms'], decision_cost.LOOP_TARGET_MS, True)} "
+                f"({r['loop_blocked_p99_ms']:.2f})",
+                _f(r["loop_cpu_ms"]),
+                tot,
+                _f(r["wall_ms"]),
+            )
+        )
+    return lines
+
+
 def render(
-    b: Bench, cells: list[dict[str, Any]], mixed_rows: list[dict[str, Any]], header: str
+    b: Bench,
+    cells: list[dict[str, Any]],
+    mixed_rows: list[dict[str, Any]],
+    header: str,
+    multiturn_rows: list[dict[str, Any]] | None = None,
+    cost_rows: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[dict[str, Any]]]:
     """The markdown report and the derived rows (ratios etc., also written as JSON lines)."""
     lines = [header, ""]
@@ -757,6 +894,10 @@ def render(
         lines += _log_line(concs, by, extra)
     if mixed_rows:
         lines += _mixed_table(mixed_rows)
+    if multiturn_rows:
+        lines += _multiturn_table(multiturn_rows, extra)
+    if cost_rows:
+        lines += _decision_cost_table(cost_rows)
     if b.notes:
         lines += ["", *(f"Note: {n}" for n in b.notes)]
     return "\n".join(lines), extra
@@ -856,8 +997,24 @@ def main(argv: list[str] | None = None) -> int:
         f"one engine write per SSE event, {PACE_MS} ms apart; per-token: the same without "
         f"pauses (default: {','.join(DEFAULT_MODES)})",
     )
-    p.add_argument("--no-matrix", action="store_true", help="only the mixed-traffic scenario")
-    p.add_argument("--no-mixed", action="store_true", help="only the throughput matrix")
+    p.add_argument(
+        "--multiturn-duration",
+        type=float,
+        default=multiturn.Spec.duration,
+        help="seconds of multi-turn chat arrivals per setup",
+    )
+    p.add_argument(
+        "--decision-cost-runs",
+        type=int,
+        default=100,
+        help="decisions measured per case of the decision's cost (default 100)",
+    )
+    p.add_argument("--no-matrix", action="store_true", help="skip the throughput matrix")
+    p.add_argument("--no-mixed", action="store_true", help="skip the mixed-traffic scenario")
+    p.add_argument("--no-multiturn", action="store_true", help="skip the multi-turn chat scenario")
+    p.add_argument(
+        "--no-decision-cost", action="store_true", help="skip the decision's cost measurement"
+    )
     p.add_argument(
         "--out",
         default="bench-results/bench.md",
@@ -875,6 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     cells: list[dict[str, Any]] = []
     mixed_rows: list[dict[str, Any]] = []
+    mt_rows: list[dict[str, Any]] = []
+    cost_rows: list[dict[str, Any]] = []
     failed = False
     if not a.no_matrix:
         try:
@@ -889,6 +1048,13 @@ def main(argv: list[str] | None = None) -> int:
         say("bench: mixed traffic on simulated engines")
         spec = mixed.Spec(duration=a.mixed_duration)
         mixed_rows = mixed.run(spec, router_cpus, other_cpus, say)
+    if not a.no_multiturn:
+        say("bench: multi-turn chat on simulated engines")
+        mt_spec = multiturn.Spec(duration=a.multiturn_duration)
+        mt_rows = multiturn.run(mt_spec, router_cpus, other_cpus, say)
+    if not a.no_decision_cost:
+        say("bench: the routing decision's cost, in this process")
+        cost_rows = decision_cost.run(a.decision_cost_runs, say)
     header = (
         f"## make bench ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {pin_note}; "
         f"our router with listen.workers = {len(router_cpus) if router_cpus else 1} unless noted; "
@@ -898,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
         f"engine writes each stream at once, `paced`: one write per token, {PACE_MS} ms apart; "
         "vllm-router 0.1.17 --policy round_robin)"
     )
-    table, extra = render(b, cells, mixed_rows, header)
+    table, extra = render(b, cells, mixed_rows, header, mt_rows, cost_rows)
     print()
     print(table)
     if a.out:
@@ -906,7 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(table + "\n")
         with open(out.with_suffix(".jsonl"), "w") as f:
-            for row in [*cells, *extra, *mixed_rows]:
+            for row in [*cells, *extra, *mixed_rows, *mt_rows, *cost_rows]:
                 f.write(json.dumps(row) + "\n")
         took = time.monotonic() - t_start
         print(f"\nbench: wrote {out} and {out.with_suffix('.jsonl')} in {took:.0f} s")
