@@ -88,7 +88,8 @@ class PrefillBusy:
     """Serve directly when the prefill pool is saturated and the decoder has room."""
 
     # prompt tokens in flight on every healthy prefiller at or above which it counts as busy;
-    # 0 = never bypass the prefill pool
+    # 0 = never bypass the prefill pool. 65536: seconds of queued prefill, measured in
+    # router/README.md "Decode-first decision" (lower trades decode ITL for long-prompt TTFT)
     queued_tokens: int = 65536
     # ... and only if the chosen decoder has fewer requests in flight than this
     max_decoder_requests: int = 32

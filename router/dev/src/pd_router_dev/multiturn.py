@@ -130,6 +130,7 @@ class Setup:
     name: str
     disaggregated: bool
     decision: str  # routing.decision
+    busy_tokens: int | None = None  # routing.prefillBusy.queuedTokens (None: the router's default)
 
 
 SETUPS = (
@@ -418,6 +419,11 @@ def run_setup(
                     "decision": setup.decision,
                     "sessionAffinityHeader": "",
                     "prefixCache": {"capacityTokens": spec.prefix_cache_tokens},
+                    **(
+                        {}
+                        if setup.busy_tokens is None
+                        else {"prefillBusy": {"queuedTokens": setup.busy_tokens}}
+                    ),
                 },
                 "pools": pools,
                 "limits": {"maxInFlight": 1024, "maxQueued": 1024},
@@ -507,3 +513,36 @@ def run(
 
 def _fmt(v: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
+
+
+# A prefill-heavy burst for choosing routing.prefillBusy.queuedTokens (not part of make bench):
+# unrelated long prompts at 2.5/s keep the one prefiller 75-90 % busy.
+BURST = Spec(duration=30.0, session_rate=0.3, long_rate=2.5, short_rate=2.0)
+
+
+def busy_sweep(values: list[int], log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The prefix decision on 1 prefill + 1 decode under BURST, once per ``queuedTokens``."""
+    setups = tuple(
+        Setup(f"busy-{v}", f"decision: prefix, prefillBusy.queuedTokens {v}", True, "prefix", v)
+        for v in values
+    )
+    rows = run(BURST, None, None, log, setups)
+    for r in rows:
+        log(
+            f"  {r['label']:48s} TTFT p50/p99 {_fmt(r['ttft_p50_ms'])}/{_fmt(r['ttft_p99_ms'])} ms,"
+            f" long TTFT p50 {_fmt(r['long_ttft_p50_ms'])} ms, ITL p50/p99 "
+            f"{_fmt(r['itl_p50_ms'], '{:.1f}')}/{_fmt(r['itl_p99_ms'], '{:.1f}')} ms, "
+            f"reasons {r['router_decisions']}"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m pd_router_dev.multiturn",
+        description="The prefix decision under a prefill-heavy burst, per prefillBusy.queuedTokens",
+    )
+    ap.add_argument("--prefill-busy", default="0,16384,65536", help="queuedTokens values")
+    busy_sweep([int(v) for v in ap.parse_args().prefill_busy.split(",")])
