@@ -239,7 +239,7 @@ def _add_peer(
     and add it to ``out`` as a target, unless it did not come up."""
     port = free_port()
     limits = ("--max-concurrent-requests", "1024", "--queue-size", "1024")
-    cmd = command(port, *limits, "--prometheus-port", str(free_port()))
+    cmd = command(port, *limits)
     pid = _start_vllm_router(b, st, key.replace("vr-", "vllm-router-"), cmd, port)
     if pid:
         out.append(Target(key, label, "vllm-router", route, f"http://127.0.0.1:{port}", pid))

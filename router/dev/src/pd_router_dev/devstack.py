@@ -118,7 +118,9 @@ def vllm_router_binary() -> Path:
 
 
 def _vllm_router(mode: Sequence[str], port: int, extra: Sequence[str]) -> list[str]:
-    """``vllm-router`` (0.1.17) on 127.0.0.1:port, round robin, warnings only."""
+    """``vllm-router`` (0.1.17) on 127.0.0.1:port, round robin, warnings only, its Prometheus
+    exporter on a free port (its default, 29000, is one per machine: a second vllm-router, as
+    two pytest workers start, panics with "Address already in use")."""
     return [
         str(vllm_router_binary()),
         *mode,
@@ -130,6 +132,8 @@ def _vllm_router(mode: Sequence[str], port: int, extra: Sequence[str]) -> list[s
         str(port),
         "--log-level",
         "warning",
+        "--prometheus-port",
+        str(free_port()),
         *extra,
     ]
 
