@@ -15,20 +15,14 @@ from typing import Any
 
 import pytest
 
+from pd_router.handoff.nixl import PREFILL_PARAMS
 from pd_router_dev import fastengine
 from pd_router_dev.devstack import Proc, Stack
 
 pytestmark = pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain")
 
 MODEL = "llama-3.3-70b"
-NIXL_PREFILL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+NIXL_PREFILL = PREFILL_PARAMS  # what the router's NIXL route sends
 LMCACHE_PREFILL = {
     "ret_first_tok": True,
     "disagg_spec": {

@@ -422,13 +422,9 @@ class Router:
 
     def _parse(self, request: web.Request, ctx: Ctx, raw: bytes) -> web.Response | None:
         """Fill ``ctx`` from the body, or the 400/404 answer for a body the router refuses."""
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return error_response(400, f"malformed JSON: {exc}", "invalid_request_error")
-        if isinstance(body, dict | list) and too_deep(raw, body):
-            msg = f"request JSON nests deeper than {MAX_JSON_DEPTH} levels (the router's limit)"
-            return error_response(400, msg, "invalid_request_error")
+        body = _load_json(raw)
+        if isinstance(body, web.Response):
+            return body
         err = validate(body, ctx.chat)
         if err:
             return error_response(400, err, "invalid_request_error")
@@ -463,13 +459,9 @@ class Router:
         ctx.raw = raw
         if ctype.split(";", 1)[0].strip().lower() != "application/json" or not raw:
             return None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return error_response(400, f"malformed JSON: {exc}", "invalid_request_error")
-        if isinstance(body, dict | list) and too_deep(raw, body):
-            msg = f"request JSON nests deeper than {MAX_JSON_DEPTH} levels (the router's limit)"
-            return error_response(400, msg, "invalid_request_error")
+        body = _load_json(raw)
+        if isinstance(body, web.Response):
+            return body
         if isinstance(body, dict):
             if strip_handoff_fields(body):
                 ctx.raw = orjson.dumps(body)
@@ -516,6 +508,18 @@ class Router:
             self.outcomes.upstream("decode", "tokenize")
             log.warning("tokenize failed: %s", exc, extra={"request_id": ctx.rid})
             raise
+
+
+def _load_json(raw: bytes) -> Any:
+    """A request body's JSON, or the 400 for one that is malformed or nests too deep."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return error_response(400, f"malformed JSON: {exc}", "invalid_request_error")
+    if isinstance(body, dict | list) and too_deep(raw, body):
+        msg = f"request JSON nests deeper than {MAX_JSON_DEPTH} levels (the router's limit)"
+        return error_response(400, msg, "invalid_request_error")
+    return body
 
 
 def build_app(router: Router) -> web.Application:
