@@ -73,7 +73,7 @@ $(VENV)/.demo: $(wildcard router/pyproject.toml router/dev/pyproject.toml)
 demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopback (ARGS="--once", "--port 8080", "--model NAME"; logs are kept)
 	$(PY) -m pd_router_dev.demo $(ARGS)
 
-bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic on simulated engines; ARGS=--help (~4 min)
+bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic, multi-turn chat, the decision's cost and a py-spy profile; ARGS=--help (~7 min)
 	$(PY) -m pd_router_dev.bench $(ARGS)
 
 fmt: $(VENV)/.installed ## Format Python code

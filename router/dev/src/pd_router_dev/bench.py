@@ -35,7 +35,11 @@ turns apart), ITL, the prefiller's busy seconds, KV tokens moved and the ``x-pd-
 headers seen, then prefix / length against issue 13's targets. The decision's cost (issue
 15): the event loop's blocked time and CPU and the process's CPU per decision of an
 8,000-token chat prompt, far from the threshold (sampled estimate) and near it (exact count
-in a thread), both decisions, against 1 ms on the loop and 2 ms of CPU.
+in a thread), both decisions, against 1 ms on the loop and 2 ms of CPU. Last, where our router's
+CPU goes (``pd_router_dev.profile``): py-spy samples our direct and NIXL routes under the
+matrix's load (32 clients, not streamed), each sample charged to its owner (aiohttp's server
+side, the event loop, our handler chain, the upstream client, metrics, logging); the raw stacks
+are kept next to ``--out``.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from pd_router_dev import decision_cost, fastengine, mixed, multiturn
+from pd_router_dev import decision_cost, fastengine, mixed, multiturn, profile
 from pd_router_dev.devstack import (
     DEMO_CONFIG,
     Proc,
@@ -880,6 +884,7 @@ def render(
     header: str,
     multiturn_rows: list[dict[str, Any]] | None = None,
     cost_rows: list[dict[str, Any]] | None = None,
+    profile_rows: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[dict[str, Any]]]:
     """The markdown report and the derived rows (ratios etc., also written as JSON lines)."""
     lines = [header, ""]
@@ -898,6 +903,8 @@ def render(
         lines += _multiturn_table(multiturn_rows, extra)
     if cost_rows:
         lines += _decision_cost_table(cost_rows)
+    if profile_rows:
+        lines += profile.table(profile_rows)
     if b.notes:
         lines += ["", *(f"Note: {n}" for n in b.notes)]
     return "\n".join(lines), extra
@@ -1016,6 +1023,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-decision-cost", action="store_true", help="skip the decision's cost measurement"
     )
     p.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=8.0,
+        help="seconds py-spy samples each of our routes (default 8)",
+    )
+    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument(
         "--out",
         default="bench-results/bench.md",
         help="write the markdown table here and the JSON lines beside it (.jsonl)",
@@ -1034,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
     mixed_rows: list[dict[str, Any]] = []
     mt_rows: list[dict[str, Any]] = []
     cost_rows: list[dict[str, Any]] = []
+    profile_rows: list[dict[str, Any]] = []
     failed = False
     if not a.no_matrix:
         try:
@@ -1055,6 +1070,14 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_decision_cost:
         say("bench: the routing decision's cost, in this process")
         cost_rows = decision_cost.run(a.decision_cost_runs, say)
+    if not a.no_profile and not failed:  # fastengine built above, or now
+        try:
+            fastengine.binary()
+        except fastengine.BuildError as exc:
+            b.notes.append(f"no profile: {exc}")
+        else:
+            say("bench: where our router's CPU goes (py-spy)")
+            profile_rows = profile.run(b, say, Path(a.out).parent if a.out else None)
     header = (
         f"## make bench ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {pin_note}; "
         f"our router with listen.workers = {len(router_cpus) if router_cpus else 1} unless noted; "
@@ -1064,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
         f"engine writes each stream at once, `paced`: one write per token, {PACE_MS} ms apart; "
         "vllm-router 0.1.17 --policy round_robin)"
     )
-    table, extra = render(b, cells, mixed_rows, header, mt_rows, cost_rows)
+    table, extra = render(b, cells, mixed_rows, header, mt_rows, cost_rows, profile_rows)
     print()
     print(table)
     if a.out:
@@ -1072,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(table + "\n")
         with open(out.with_suffix(".jsonl"), "w") as f:
-            for row in [*cells, *extra, *mixed_rows, *mt_rows, *cost_rows]:
+            for row in [*cells, *extra, *mixed_rows, *mt_rows, *cost_rows, *profile_rows]:
                 f.write(json.dumps(row) + "\n")
         took = time.monotonic() - t_start
         print(f"\nbench: wrote {out} and {out.with_suffix('.jsonl')} in {took:.0f} s")

@@ -1,0 +1,44 @@
+"""``make bench``'s profile section charges py-spy's samples to owners by their innermost frame
+(the raw lines below are py-spy 0.4.3's ``--format raw --subprocesses`` output, shortened)."""
+
+from __future__ import annotations
+
+from pd_router_dev import profile
+
+ROOT = 'process 7:"python -m pd_router serve --config /tmp/r.yaml"'
+LOOP = "Runner.run (asyncio/runners.py:118)"
+ROUTE = "Router._route (pd_router/app.py:494)"
+RAW = "\n".join(
+    (
+        f"{ROOT};{LOOP};RequestHandler.start (aiohttp/web_protocol.py:610) 6",
+        f"{ROOT};{ROUTE};UpstreamClient._send (pd_router/upstream.py:390) 3",
+        f"{ROOT};{ROUTE};UpstreamClient._send (pd_router/upstream.py:392) 1",
+        f"{ROOT};{ROUTE};Decider.decide (pd_router/decide.py:127) 4",
+        f"{ROOT};{ROUTE};Counter.inc (prometheus_client/metrics.py:310) 2",
+        f"{ROOT};{LOOP} 3",
+        f"{ROOT} 1",
+        "",
+    )
+)
+
+
+def test_samples_are_charged_to_the_innermost_frames_owner() -> None:
+    by_owner, by_func = profile.charge(RAW)
+    assert by_owner == {
+        "aiohttp server side": 6,
+        "upstream client (pd_router/upstream.py)": 4,
+        "our handler chain (pd_router, the rest)": 4,
+        "metrics (prometheus_client, pd_router/metrics.py)": 2,
+        "event loop, transports and syscalls (asyncio, uvloop)": 3,
+        profile.NO_FRAME: 1,
+    }
+    # one function's lines are one entry
+    assert by_func["UpstreamClient._send (pd_router/upstream.py)"] == 4
+
+
+def test_the_table_gives_each_owners_share_per_route() -> None:
+    rows = profile.rows("ours-direct", "direct route", RAW)
+    lines = profile.table(rows)
+    assert "| aiohttp server side | 30 % |" in lines
+    assert any("`RequestHandler.start (aiohttp/web_protocol.py)` 30 %" in line for line in lines)
+    assert profile.table([]) == []
