@@ -7,8 +7,9 @@ The counting ladder, cheapest exact-enough first (pd_router.tokens explains each
 ``n > 1`` or a batched prompt -> direct (``skipped``; the hand-offs carry one sequence);
 threshold 0 -> disaggregated without counting (``skipped``); token-id prompt -> its length
 (``tokens``); UTF-8 bytes + template allowance below the threshold -> direct (``bound``); the
-local tokenizer: a sampled estimate far enough from the threshold
-(``sampled``), else the exact count, off the event loop for long texts (``tokenizer``); the
+local tokenizer: a sampled estimate far enough from the threshold (``sampled``: one window
+when the prompt is far beyond it, three when nearer), else the exact count, off the event
+loop for long texts (``tokenizer``); the
 engine's /tokenize (``engine``; its ids are reused by the
 LMCache prefill leg); bytes / 4 when nothing answered (``estimate``).
 
@@ -43,7 +44,6 @@ from pd_router.openai_wire import is_batch
 from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex
 from pd_router.tokens import (
     INLINE_BYTES,
-    SAMPLE_MARGIN,
     TokenCounter,
     prompt_text,
     template_allowance,
@@ -179,11 +179,8 @@ class Decider:
             if nbytes <= INLINE_BYTES:
                 n = counter.local_count(text, allowance)
                 return Count("tokenizer", n, True, data=data)
-            est = await counter.estimate(text, nbytes - allowance, allowance)
-            if est >= th * SAMPLE_MARGIN or est * SAMPLE_MARGIN <= th:
-                return Count("sampled", est, data=data)
-            n = await counter.count(text, allowance)
-            return Count("tokenizer", n, True, data=data)
+            n, exact = await counter.size(text, nbytes - allowance, allowance, th)
+            return Count("tokenizer" if exact else "sampled", n, exact, data=data)
         try:
             ids = await tokenize(body, chat)
         except TokenizeError:

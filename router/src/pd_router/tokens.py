@@ -10,11 +10,11 @@ Order (cheapest exact-enough first):
    (``model.tokenizer``) or fetched once at start-up from a hub (``model.tokenizerHub``,
    pd_router.hub_tokenizer). Counting must not stall the event loop (an 8,000-token prompt
    takes ~14 ms to encode, and ``Tokenizer.encode`` holds the GIL): a short text is encoded
-   inline; a longer one is first *sampled* (a few windows encoded, tokens per byte
-   extrapolated), which decides when the estimate is beyond ``SAMPLE_MARGIN`` of the
-   threshold either way; only a prompt near the threshold is counted exactly. Both run in a
-   thread (``encode_batch`` releases the GIL, measured with tokenizers 0.23.3), so the loop
-   never waits for the tokenizer.
+   inline; a longer one is first *sampled* (windows encoded, tokens per byte extrapolated):
+   the middle window alone decides beyond ``FIRST_WINDOW_MARGIN`` of the threshold, all
+   three beyond ``SAMPLE_MARGIN``; only a prompt near the threshold is counted exactly. Both
+   run in a thread (``encode_batch`` releases the GIL, measured with tokenizers 0.23.3), so the
+   loop never waits for the tokenizer.
 5. The engine's ``POST /tokenize`` (applies the real chat template; the ids are reused as the
    LMCache prefill prompt): ``pd_router.legs.Legs.tokenize``.
 6. Estimate (bytes / 4) when nothing else answered; counted in ``pd_router_token_count``.
@@ -41,8 +41,16 @@ SAMPLE_CHARS = 512
 # A sampled estimate decides only beyond this factor of the threshold (tokens per byte varies
 # along a prompt: prose, code, tables); nearer, the count is exact.
 SAMPLE_MARGIN = 1.5
+# The middle window alone decides beyond this wider factor (a prompt many times the threshold,
+# the usual long prompt, costs one window's encoding: make bench, "The decision's cost").
+FIRST_WINDOW_MARGIN = 3.0
 TEMPLATE_BASE = 64  # allowance for chat-template tokens (system header, generation prompt)
 TEMPLATE_PER_MESSAGE = 8
+
+
+def decided(estimate: int, threshold: int, margin: float) -> bool:
+    """An estimate decides when it is ``margin`` times beyond the threshold, either way."""
+    return estimate >= threshold * margin or estimate * margin <= threshold
 
 
 def prompt_text(body: dict[str, Any], chat: bool) -> str:
@@ -131,22 +139,53 @@ class TokenCounter:
         # len(Encoding) counts without building the ids list (tokenizers 0.23.3)
         return len(self.local.encode(text, add_special_tokens=False)) + allowance
 
-    def sampled(self, text: str, nbytes: int, allowance: int) -> int:
-        """Estimated tokens of ``text`` (``nbytes`` long) from a few encoded windows."""
+    def sampled(self, text: str, nbytes: int, allowance: int, threshold: int = 0) -> int:
+        """Estimated tokens of ``text`` (``nbytes`` long) from encoded windows: the middle one
+        first, returned alone when it is ``FIRST_WINDOW_MARGIN`` beyond ``threshold`` (0: never),
+        else the start, middle and end together."""
         assert self.local is not None
         n = len(text)
         step = max(1, (n - SAMPLE_CHARS) // max(1, SAMPLE_WINDOWS - 1))
         windows = [text[i : i + SAMPLE_CHARS] for i in range(0, n, step)][:SAMPLE_WINDOWS]
-        enc = self.local.encode_batch(windows, add_special_tokens=False)
-        tokens = sum(len(e) for e in enc)
-        sampled_bytes = sum(len(w.encode("utf-8", "surrogatepass")) for w in windows)
+        middle = windows.pop(len(windows) // 2)
+        tokens, sampled_bytes = self._encoded([middle])
+        est = round(nbytes * tokens / max(1, sampled_bytes)) + allowance
+        if not windows or (threshold and decided(est, threshold, FIRST_WINDOW_MARGIN)):
+            return est
+        more_tokens, more_bytes = self._encoded(windows)
+        tokens, sampled_bytes = tokens + more_tokens, sampled_bytes + more_bytes
         return round(nbytes * tokens / max(1, sampled_bytes)) + allowance
 
-    async def estimate(self, text: str, nbytes: int, allowance: int) -> int:
-        """:meth:`sampled`, off the event loop: its three windows still took 0.7 ms of
-        ``encode_batch`` that the loop waited for (make bench, "The decision's cost")."""
+    def _encoded(self, windows: list[str]) -> tuple[int, int]:
+        """(tokens, UTF-8 bytes) of ``windows``; ``encode_batch`` releases the GIL."""
+        assert self.local is not None
+        enc = self.local.encode_batch(windows, add_special_tokens=False)
+        nbytes = sum(len(w.encode("utf-8", "surrogatepass")) for w in windows)
+        return sum(len(e) for e in enc), nbytes
+
+    def exact(self, text: str, allowance: int) -> int:
+        """Exact, on the calling thread with the GIL released (``encode_batch``); the length is
+        taken here too, so the Encoding's ids list is never built on the loop (measured: the
+        loop thread's CPU per 8,000-token count 1.1 -> 0.4 ms)."""
+        assert self.local is not None
+        return len(self.local.encode_batch([text], add_special_tokens=False)[0]) + allowance
+
+    def sized(self, text: str, nbytes: int, allowance: int, threshold: int) -> tuple[int, bool]:
+        """(tokens, exact): the sampled estimate when it decides against ``threshold`` (beyond
+        ``SAMPLE_MARGIN``), else the exact count."""
+        est = self.sampled(text, nbytes, allowance, threshold)
+        if decided(est, threshold, SAMPLE_MARGIN):
+            return est, False
+        return self.exact(text, allowance), True
+
+    async def size(
+        self, text: str, nbytes: int, allowance: int, threshold: int
+    ) -> tuple[int, bool]:
+        """:meth:`sized` in the counting thread, one hop for the sample and the exact count
+        (sampling on the loop blocked it 0.7 ms; two hops cost the loop 0.2 ms more than one:
+        make bench, "The decision's cost")."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._threads(), self.sampled, text, nbytes, allowance
+            self._threads(), self.sized, text, nbytes, allowance, threshold
         )
 
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -155,16 +194,10 @@ class TokenCounter:
         return self._pool
 
     async def count(self, text: str, allowance: int) -> int:
-        """Exact, off the event loop: ``encode_batch`` runs without the GIL in a thread."""
-        assert self.local is not None
-        pool = self._threads()
-        tok = self.local
-        # the length is taken in the thread too: the Encoding's ids list is never built on the
-        # loop (measured: the loop thread's CPU per 8,000-token count 1.1 -> 0.4 ms)
-        n = await asyncio.get_running_loop().run_in_executor(
-            pool, lambda: len(tok.encode_batch([text], add_special_tokens=False)[0])
+        """:meth:`exact`, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._threads(), self.exact, text, allowance
         )
-        return n + allowance
 
     def close(self) -> None:
         if self._pool is not None:

@@ -11,6 +11,7 @@ import pytest
 from pd_router.config import Routing
 from pd_router.decide import Decider, Decision, Pools
 from pd_router.failures import TokenizeError
+from pd_router.tokens import SAMPLE_MARGIN, decided
 
 
 class Counter:
@@ -28,8 +29,13 @@ class Counter:
         self.calls.append("inline")
         return int(len(text) * self.per_char) + allowance
 
-    async def estimate(self, text: str, nbytes: int, allowance: int) -> int:
-        return self.sampled(text, nbytes, allowance)
+    async def size(
+        self, text: str, nbytes: int, allowance: int, threshold: int
+    ) -> tuple[int, bool]:
+        est = self.sampled(text, nbytes, allowance)
+        if decided(est, threshold, SAMPLE_MARGIN):
+            return est, False
+        return await self.count(text, allowance), True
 
     def sampled(self, text: str, nbytes: int, allowance: int) -> int:
         assert self.per_char is not None
@@ -164,5 +170,33 @@ def test_the_real_tokenizer_counts_off_the_loop_and_samples_what_it_counts(tmp_p
         exact = counter.local_count(text, 4)
         assert asyncio.run(counter.count(text, 4)) == exact == 2000 * len(TOKENIZER_WORD) + 4
         assert abs(counter.sampled(text, nbytes, 4) - exact) <= exact * 0.05
+    finally:
+        counter.close()
+
+
+def test_a_prompt_far_beyond_the_threshold_is_sampled_in_one_window(tmp_path) -> None:
+    from pd_router.tokens import FIRST_WINDOW_MARGIN, TokenCounter
+    from router_testlib import TOKENIZER_WORD, train_tokenizer
+
+    train_tokenizer(tmp_path)
+    counter = TokenCounter(str(tmp_path), "m")
+    real = counter.local
+    batches: list[int] = []
+
+    class Spy:
+        def encode_batch(self, windows: list[str], **kw: Any) -> Any:
+            batches.append(len(windows))
+            return real.encode_batch(windows, **kw)
+
+    counter.local = Spy()
+    text = " ".join([TOKENIZER_WORD] * 2000)
+    nbytes = len(text.encode())
+    exact = 2000 * len(TOKENIZER_WORD) + 4
+    try:
+        far = int(exact / FIRST_WINDOW_MARGIN / 1.2)  # beyond the margin, and the sample error
+        for threshold, windows in ((far, [1]), (exact, [1, 2]), (0, [1, 2])):
+            batches.clear()
+            assert abs(counter.sampled(text, nbytes, 4, threshold) - exact) <= exact * 0.05
+            assert batches == windows, threshold
     finally:
         counter.close()

@@ -9,10 +9,11 @@ of the Python documentation's topics (``pydoc_data.topics``, in the standard lib
 is downloaded); the prompts are ~8,000-token chat requests cut from the held-out topics (about
 4 bytes per token, printed). Cases, each with ``decision: length`` and ``decision: prefix``:
 
-- far from the threshold (``threshold`` 1024): the sampled estimate decides (three 512-character
-  windows encoded in a worker thread, ``pd_router.tokens.TokenCounter.estimate``);
-- near it (``threshold`` = the prompt's size): the exact count, ``TokenCounter.count`` in a
-  worker thread (``encode_batch`` releases the GIL), the loop waiting.
+- far from the threshold (``threshold`` 1024, the prompt 8 times it): the sampled estimate
+  decides, its middle 512-character window alone (``pd_router.tokens.TokenCounter.size`` in a
+  worker thread);
+- near it (``threshold`` = the prompt's size): all three windows, then the exact count, in the
+  same worker thread hop (``encode_batch`` releases the GIL), the loop waiting.
 
 ``decision: prefix`` also hashes the prompt's 256-byte blocks and looks them up per decoder, and
 the router then records them on the chosen decoder (``Decider.remember``, synchronous, on the
