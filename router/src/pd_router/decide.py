@@ -9,9 +9,8 @@ threshold 0 -> disaggregated without counting (``skipped``); token-id prompt -> 
 (``tokens``); UTF-8 bytes + template allowance below the threshold -> direct (``bound``); the
 local tokenizer: a sampled estimate far enough from the threshold (``sampled``: one window
 when the prompt is far beyond it, three when nearer), else the exact count, off the event
-loop for long texts (``tokenizer``); the
-engine's /tokenize (``engine``; its ids are reused by the
-LMCache prefill leg); bytes / 4 when nothing answered (``estimate``).
+loop for long texts (``tokenizer``); the engine's /tokenize (``engine``; its ids are reused by
+the LMCache prefill leg); bytes / 4 when nothing answered (``estimate``).
 
 Then ``routing.decision``:
 
