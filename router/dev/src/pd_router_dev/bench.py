@@ -67,6 +67,7 @@ from pd_router_dev.devstack import (
     Stack,
     free_port,
     pinned,
+    static_pools,
     vllm_router_binary,
     vllm_router_command,
     vllm_router_regular_command,
@@ -275,10 +276,7 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
     st.adopt(eng)
     pre, dec = (f"http://127.0.0.1:{p}" for p in ports)
     b.engine_url = dec
-    nx_pools = {
-        "prefill": {"discovery": "static", "static": [pre]},
-        "decode": {"discovery": "static", "static": [dec]},
-    }
+    nx_pools = static_pools([pre], [dec])
     direct_over = {"routing": {"connector": "nixl", "threshold": 1 << 30}, "pools": nx_pools}
     out = [Target("engine", "engine directly (fastengine)", "engine", "engine", dec)]
 

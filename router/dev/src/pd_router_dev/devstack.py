@@ -12,8 +12,17 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 DEMO_CONFIG = Path(__file__).with_name("demo-config.yaml")
+
+
+def static_pools(prefill: Sequence[str], decode: Sequence[str]) -> dict[str, Any]:
+    """A router config's ``pools`` with both pools listed statically (no discovery)."""
+    return {
+        "prefill": {"discovery": "static", "static": list(prefill)},
+        "decode": {"discovery": "static", "static": list(decode)},
+    }
 
 
 def free_port(host: str = "127.0.0.1") -> int:

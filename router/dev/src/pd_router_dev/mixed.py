@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 import yaml
 
-from pd_router_dev.devstack import DEMO_CONFIG, Stack
+from pd_router_dev.devstack import DEMO_CONFIG, Stack, static_pools
 
 MODEL = "llama-3.3-70b"
 
@@ -232,18 +232,13 @@ def run_setup(
                 *_sim_args(spec, setup.budget, "--kv-connector", "nixl"),
                 cpus=other_cpus,
             )
-            pools = {
-                "prefill": {"discovery": "static", "static": [pre.url()]},
-                "decode": {"discovery": "static", "static": [dec.url()]},
-            }
+            pools = static_pools([pre.url()], [dec.url()])
             threshold = spec.threshold
         else:
             e1 = st.sim("mx-engine-1", *_sim_args(spec, setup.budget), cpus=other_cpus)
             e2 = st.sim("mx-engine-2", *_sim_args(spec, setup.budget), cpus=other_cpus)
-            pools = {  # prefill pool unused: nothing reaches the threshold
-                "prefill": {"discovery": "static", "static": [e1.url()]},
-                "decode": {"discovery": "static", "static": [e1.url(), e2.url()]},
-            }
+            # prefill pool unused: nothing reaches the threshold
+            pools = static_pools([e1.url()], [e1.url(), e2.url()])
             threshold = 1 << 30
         cfg = _router_config(
             wd,

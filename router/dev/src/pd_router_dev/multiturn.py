@@ -66,7 +66,7 @@ from typing import Any
 
 import orjson
 
-from pd_router_dev.devstack import Stack
+from pd_router_dev.devstack import Stack, static_pools
 from pd_router_dev.mixed import _pct, _router_config, _sim_args, _wait_ready
 from pd_router_dev.sim.server import KV_BYTES_PER_TOKEN
 
@@ -393,19 +393,14 @@ def run_setup(
             pre = st.sim("mt-prefill", *_sim_args(spec, spec.budget, *nixl), cpus=other_cpus)
             dec = st.sim("mt-decode", *_sim_args(spec, spec.budget, *nixl), cpus=other_cpus)
             engines = {"prefill": pre.url(), "decode": dec.url()}
-            pools = {
-                "prefill": {"discovery": "static", "static": [pre.url()]},
-                "decode": {"discovery": "static", "static": [dec.url()]},
-            }
+            pools = static_pools([pre.url()], [dec.url()])
             threshold = spec.threshold
         else:
             e1 = st.sim("mt-engine-1", *_sim_args(spec, spec.budget, *extra), cpus=other_cpus)
             e2 = st.sim("mt-engine-2", *_sim_args(spec, spec.budget, *extra), cpus=other_cpus)
             engines = {"engine 1": e1.url(), "engine 2": e2.url()}
-            pools = {  # prefill pool unused: nothing reaches the threshold
-                "prefill": {"discovery": "static", "static": [e1.url()]},
-                "decode": {"discovery": "static", "static": [e1.url(), e2.url()]},
-            }
+            # prefill pool unused: nothing reaches the threshold
+            pools = static_pools([e1.url()], [e1.url(), e2.url()])
             threshold = 1 << 30
         tok = word_tokenizer(wd / "tokenizer.json")
         cfg = _router_config(

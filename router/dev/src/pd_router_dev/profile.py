@@ -157,7 +157,7 @@ def run(bench: Any, say: Callable[[str], None], keep: Path | None) -> list[dict[
     stacks are kept in ``keep`` (``<route>.profile.txt``: flamegraph.pl or speedscope read it)."""
     from pd_router_dev import bench as b  # the bench's own router start and load; no cycle
     from pd_router_dev import fastengine
-    from pd_router_dev.devstack import Stack
+    from pd_router_dev.devstack import Stack, static_pools
 
     spy = py_spy()
     if spy is None:
@@ -171,10 +171,7 @@ def run(bench: Any, say: Callable[[str], None], keep: Path | None) -> list[dict[
         )
         st.adopt(eng)
         pre, dec = (f"http://127.0.0.1:{p}" for p in ports)
-        pools = {
-            "prefill": {"discovery": "static", "static": [pre]},
-            "decode": {"discovery": "static", "static": [dec]},
-        }
+        pools = static_pools([pre], [dec])
         for key, label, threshold in (
             ("ours-direct", "direct route", 1 << 30),
             ("ours-nixl", "NIXL route", 0),
