@@ -23,7 +23,14 @@ from pd_router.config import Timeouts
 from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
 from pd_router.lease import Lease
-from pd_router.openai_wire import error_body, error_detail, sse_error, tokenize_request
+from pd_router.openai_wire import (
+    COMPLETION_PATHS,
+    error_body,
+    error_detail,
+    sse_error,
+    stream_opening,
+    tokenize_request,
+)
 from pd_router.request import Ctx, Outcomes
 from pd_router.upstream import Response, UpstreamClient
 
@@ -138,10 +145,11 @@ class Legs:
     ) -> tuple[Response, Endpoint]:
         """Open a response on a decoder: ``prefer`` first (the one holding a KV), then the
         balancer's choice, retrying other decoders on failures before the first byte (connect
-        error, timeout, 5xx, a stream that sends nothing). ``exclude`` (and a failed
-        ``prefer``) are avoided while another healthy decoder remains, then tried once. An
-        upstream 4xx is returned as is. ``retry_data``: what retries send instead of ``data``
-        (the route becomes ``fallback``). Raises the last :class:`LegError`."""
+        error, timeout, 5xx, a stream that ends or stalls before its first token). ``exclude``
+        (and a failed ``prefer``) are avoided while another healthy decoder remains, then tried
+        once. An upstream 4xx is returned as is. ``retry_data``: what retries send instead of
+        ``data`` (the route becomes ``fallback``); with it, a decoder already tried gets it
+        once when no other is left. Raises the last :class:`LegError`."""
         pool = self.decode_pool
         out = self.outcomes
         idle = self.t.stream_idle_seconds if stream else self.t.first_byte_seconds
@@ -162,6 +170,10 @@ class Legs:
                     # only avoided decoders are healthy: better one of them than nothing
                     ep = balancing.pick(pool.healthy, balancing.decode_load, ctx.affinity)
                     avoid = []
+                elif ep is None and tried and retry_data is not None and data is not retry_data:
+                    # the hand-off failed where no other decoder is left: the same one, once
+                    # more, without it (a KV load that failed says nothing of the decoder)
+                    ep = balancing.pick(pool.healthy, balancing.decode_load, ctx.affinity)
             if ep is None:
                 raise last or LegError.no_decoder()
             if tried:
@@ -187,9 +199,10 @@ class Legs:
     async def _try_decoder(
         self, ctx: Ctx, ep: Endpoint, path: str, data: bytes, stream: bool, idle: float
     ) -> Response:
-        """One try. A stream is only handed on once its first bytes arrived (vLLM sends the
-        headers at once and the first chunk with the first token), so a decoder that accepts a
-        stream and then dies or stalls for ``firstByteSeconds`` is still retried."""
+        """One try. A stream is only handed on once it has begun (:func:`stream_opening`: vLLM
+        sends the headers at once, then the role, then the first token), so a decoder that
+        accepts a stream and then dies, stalls for ``firstByteSeconds`` or ends it empty is
+        still retried."""
         fb = self.t.first_byte_seconds
         lease = Lease(ep)
         started = time.monotonic()
@@ -207,7 +220,18 @@ class Legs:
             raise LegError("5xx", resp.status, body, resp.headers.get("content-type", ""))
         if stream and resp.status == 200:
             try:  # firstByteSeconds counts from the request, headers included
-                await resp.first_data(max(0.0, fb - (time.monotonic() - started)))
+                seen = 0
+                while True:
+                    await resp.first_data(max(0.0, fb - (time.monotonic() - started)), seen)
+                    if path not in COMPLETION_PATHS:
+                        break  # another API's events: relayed from their first byte
+                    head = resp.peek()
+                    opening = stream_opening(head)
+                    if opening == "began":
+                        break
+                    if opening == "empty" or resp.complete:
+                        raise LegError("stream", 502)
+                    seen = len(head)
             except UPSTREAM_ERRORS as exc:
                 resp.close()  # the engine aborts the request
                 raise LegError.of(exc, "stream") from None

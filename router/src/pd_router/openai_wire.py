@@ -227,6 +227,47 @@ def sse_error(message: str, etype: str = "upstream_error", code: int = 502) -> b
     return b"data: " + error_body(code, message, etype) + b"\n\n"
 
 
+# The two APIs whose streams the router reads (chat and text completions).
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# What a choice of a stream chunk carries once the answer has begun (vLLM 0.31.0
+# chat_completion/serving.py and completion/serving.py chunk shapes).
+_BEGUN_DELTA = ("content", "reasoning", "reasoning_content", "tool_calls", "function_call")
+
+
+def stream_opening(head: bytes) -> str:
+    """How far the first bytes of an engine's SSE answer go: ``began`` (a token, a finish, an
+    error or anything the router does not read: relay it), ``empty`` (the stream ended before
+    any of that), or ``more`` (only vLLM's opening chunks so far: the role, or nothing).
+
+    vLLM 0.31.0 streams a chat answer's role in a chunk of its own, and when a request fails
+    after that (a NIXL KV load that fails under ``kv_load_failure_policy: fail``) it sends that
+    chunk and ``[DONE]``, status 200, no token and no finish_reason: relayed as it came, the
+    client would take an empty answer for a complete one."""
+    for event in head.split(b"\n\n")[:-1]:  # complete events only
+        data = event.strip()
+        if not data.startswith(b"data:"):
+            continue  # an SSE comment or field the router does not interpret
+        data = data[5:].strip()
+        if data == b"[DONE]":
+            return "empty"
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return "began"
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not isinstance(choices, list) or "error" in chunk:
+            return "began"
+        for choice in choices:  # none: the usage chunk
+            if not isinstance(choice, dict) or choice.get("text"):
+                return "began"
+            if choice.get("finish_reason") is not None:
+                return "began"
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and any(delta.get(k) for k in _BEGUN_DELTA):
+                return "began"
+    return "more"
+
+
 def error_detail(raw: bytes) -> tuple[str, str]:
     """(type, message) of an engine's OpenAI-format error answer; ("", "") when unreadable."""
     try:

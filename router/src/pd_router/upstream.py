@@ -222,16 +222,21 @@ class Response:
             self._conn.transport.resume_reading()
         return data
 
-    async def first_data(self, timeout: float) -> None:
-        """Wait (at most ``timeout``) until body bytes arrived or the body ended; they stay
-        buffered for :meth:`iter_any`. Raises TimeoutError or the connection's error."""
+    async def first_data(self, timeout: float, beyond: int = 0) -> None:
+        """Wait (at most ``timeout``) until more than ``beyond`` body bytes arrived or the body
+        ended; they stay buffered for :meth:`iter_any` (and :meth:`peek`). Raises TimeoutError
+        or the connection's error."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self._buf and not self.complete:
+        while self._buffered <= beyond and not self.complete:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise TimeoutError()
             await self._wait(remaining)
+
+    def peek(self) -> bytes:
+        """The body bytes buffered so far, left for :meth:`iter_any`."""
+        return b"".join(self._buf)
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (idle timeout between chunks)."""

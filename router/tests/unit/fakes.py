@@ -40,9 +40,14 @@ class FakeResponse:
         if cb is not None:
             cb()
 
-    async def first_data(self, timeout: float) -> None:
+    complete = True  # the whole body is there at once
+
+    async def first_data(self, timeout: float, beyond: int = 0) -> None:
         if self.stall:
             raise TimeoutError()
+
+    def peek(self) -> bytes:
+        return b"".join(self.chunks)
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         for c in self.chunks:

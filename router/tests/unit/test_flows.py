@@ -162,6 +162,38 @@ def test_nixl_retries_a_failed_decode_without_the_handoff() -> None:
     assert w.load() == [(0, 0)] * 3
 
 
+ROLE = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"finish_reason":null}]}\n\n'
+)
+TOKEN = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def test_nixl_retries_a_stream_that_ends_with_no_token_without_the_handoff() -> None:
+    """vLLM 0.31 fails a request whose NIXL KV load failed as a 200 stream of its role chunk and
+    [DONE]: no token, no finish_reason. Relayed, the client would take it for an empty answer."""
+    w = World(decode=(D1,))
+    w.up.on(P1, "/v1/chat/completions", FakeResponse(200, completion("a", kv_transfer_params=KVP)))
+    empty = FakeResponse(200, chunks=[ROLE, DONE], ctype="text/event-stream")
+    answer = FakeResponse(200, chunks=[ROLE, TOKEN, DONE], ctype="text/event-stream")
+    w.up.on(D1, "/v1/chat/completions", empty, answer)
+    down = FakeDownstream()
+    run(
+        nixl(w).serve(
+            ctx({"messages": [{"role": "user", "content": "long"}], "stream": True}, chat=True),
+            down,
+        )
+    )
+    decodes = [b for _, b in w.up.calls_to("/v1/chat/completions")[1:]]
+    assert "kv_transfer_params" in decodes[0] and "kv_transfer_params" not in decodes[1]
+    assert down.events == [ROLE, TOKEN, DONE] and down.headers["x-pd-reason"] == "decode_retry"
+    assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="stream") == 1
+    assert w.load() == [(0, 0)] * 2
+
+
 @pytest.mark.parametrize(
     ("prefill", "reason", "kind"),
     [

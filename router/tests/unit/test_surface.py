@@ -24,6 +24,7 @@ from pd_router.openai_wire import (
     new_completion_id,
     relabel_chunk,
     served_cards,
+    stream_opening,
     whole_answer,
 )
 from pd_router.request import Ctx
@@ -416,3 +417,40 @@ def test_fields_a_split_cannot_honour_are_served_directly(
     assert down.headers["x-pd-route"] == ("disaggregated" if split else "fallback")
     if not split:
         assert w.sample("pd_router_fallbacks_total", reason="unsupported_fields") == 1
+
+
+# ---------------------------------------------------------------------- a stream's opening
+ROLE = (
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    b'"finish_reason":null}]}\n\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("head", "opening"),
+    [
+        (b"", "more"),
+        (ROLE, "more"),  # vLLM's role chunk: no token yet
+        (ROLE[:-2], "more"),  # an event not complete yet
+        (ROLE + b": keep-alive\n\n", "more"),
+        (ROLE + b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n', "more"),
+        (ROLE + b"data: [DONE]\n\n", "empty"),  # a failed KV load in vLLM 0.31
+        (b"data: [DONE]\n\n", "empty"),
+        (
+            ROLE
+            + b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n',
+            "began",
+        ),
+        (b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}\n\n', "began"),
+        (b'data: {"choices":[{"index":0,"delta":{"reasoning":"hm"}}]}\n\n', "began"),
+        (b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n', "began"),
+        (b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\n', "began"),
+        (b'data: {"error":{"message":"x","code":400}}\n\n', "began"),  # relayed as it is
+        (b"data: not json\n\n", "began"),
+        (b"data: {}\n\n", "began"),  # a shape the router does not read: relayed
+    ],
+)
+def test_a_stream_has_begun_once_a_token_a_finish_or_an_error_came(
+    head: bytes, opening: str
+) -> None:
+    assert stream_opening(head) == opening
