@@ -54,10 +54,10 @@ def test_lmcache_kv_transfer_config_per_role(h4: Path) -> None:
 @pytest.mark.parametrize("efa,backend", [(False, "UCX"), (True, "LIBFABRIC")])
 def test_nixl_kv_transfer_config(h4: Path, efa: bool, backend: str) -> None:
     docs = helm.render(h4, sets=("kvTransfer.connector=nixl", f"efa.enabled={str(efa).lower()}"))
-    for role in ("prefill", "decode"):
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         assert kv_transfer_config(docs, role) == {
             "kv_connector": "NixlConnector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_load_failure_policy": "fail",
             "kv_buffer_device": "cuda",
             "kv_connector_extra_config": {"backends": [backend]},

@@ -10,7 +10,8 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
   every start) because a dropped partial last chunk would leave the decoder with incomplete KV.
 - kv-transfer-config shapes (LMCacheConnectorV1, NixlConnector with top-level
   kv_load_failure_policy, kv_buffer_device and kv_connector_extra_config.backends): vLLM 0.31.0
-  and 0.33.0 (KVTransferConfig; tests/engines/ parses every rendered one with both).
+  and 0.33.0 (KVTransferConfig; tests/engines/ parses every rendered one with both, and
+  tests/real_engine/ serves the dev environment's with vLLM 0.31.0's CPU build).
 */}}
 
 {{/* --kv-transfer-config for a role, as JSON. Call with (dict "ctx" $ "role" "prefill"). */}}
@@ -29,7 +30,11 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
 {{- end -}}
 {{- else -}}
 {{- $extra := dict "backends" (list (include "pd-inference.nixlBackend" .ctx)) -}}
-{{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" "kv_both" "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra -}}
+{{- /* Producer on prefill, consumer on decode: vLLM 0.31 and 0.33 deprecate kv_both for
+NixlConnector ("set kv_producer for prefill instances and kv_consumer for decode instances",
+kv_connector/v1/nixl/connector.py); a consumer still serves whole requests (short prompts, fallbacks). */ -}}
+{{- $role := ternary "kv_producer" "kv_consumer" (eq .role "prefill") -}}
+{{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" $role "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra -}}
 {{- end -}}
 {{- toJson $cfg -}}
 {{- end -}}
