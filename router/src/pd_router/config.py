@@ -73,11 +73,10 @@ class Model:
 class PrefixCache:
     """The router's estimate of each decoder's vLLM prefix cache (pd_router.prefix)."""
 
-    # per decoder, per router process: what one decoder's KV cache holds (vLLM logs it as
-    # "GPU KV cache size: N tokens"); 262144 is a 70B model at TP 8 on an H100 node
+    # per decoder, per router process, at most: what one decoder's KV cache holds (less where
+    # the decoder's vllm:cache_config_info says less); 262144 is a 70B model at TP 8 on an H100
+    # node. The block size is the decoder's own (pd_router.cache_info), never configured.
     capacity_tokens: int = 262144
-    # vLLM's --block-size (16 unless set): prefix-cache hits are whole blocks
-    block_tokens: int = 16
     # the decoder holding the longest prefix is passed over when it has this many more requests
     # in flight than the least busy decoder (a hot prefix must not pin all load on one pod)
     max_load_imbalance: int = 8
@@ -379,12 +378,9 @@ def _validate(cfg: RouterConfig) -> None:
     if cfg.routing.threshold < 0:
         raise ConfigError(f"routing.threshold: must be >= 0, got {cfg.routing.threshold}")
     pc, pb = cfg.routing.prefix_cache, cfg.routing.prefill_busy
-    if pc.block_tokens < 1:
-        raise ConfigError(f"routing.prefixCache.blockTokens: must be >= 1, got {pc.block_tokens}")
-    if pc.capacity_tokens < pc.block_tokens:
+    if pc.capacity_tokens < 1:
         raise ConfigError(
-            "routing.prefixCache.capacityTokens: must hold at least one block "
-            f"(routing.prefixCache.blockTokens = {pc.block_tokens}), got {pc.capacity_tokens}"
+            f"routing.prefixCache.capacityTokens: must be >= 1, got {pc.capacity_tokens}"
         )
     if pc.max_load_imbalance < 0:
         raise ConfigError(

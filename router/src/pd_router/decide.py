@@ -40,7 +40,7 @@ from pd_router.config import Routing
 from pd_router.discovery import Endpoint
 from pd_router.failures import TokenizeError
 from pd_router.openai_wire import is_batch
-from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex
+from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex, identity
 from pd_router.tokens import (
     INLINE_BYTES,
     TokenCounter,
@@ -58,7 +58,6 @@ class Count:
     tokens: int  # the prompt size observed (exact or estimated)
     exact: bool = False
     ids: list[int] | None = None  # the prompt's token ids, when they were learnt
-    data: bytes = b""  # the prompt's text as UTF-8 (the prefix index hashes it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,7 @@ class Decision:
     exact: bool = False  # ``tokens`` is the exact prompt length
     ids: list[int] | None = None  # the prompt's token ids, when they were learnt
     decoder: Endpoint | None = None  # chosen first (prefix mode); None: the route's balancer
-    matched: int = 0  # prompt tokens the decoder is estimated to hold already
+    matched: int = 0  # prompt tokens the decoder is taken to hold already (whole engine blocks)
     blocks: Blocks | None = None  # what to record on the decoder that is sent the prompt
 
 
@@ -89,7 +88,7 @@ class Decider:
         self.counter = counter
         pc = routing.prefix_cache
         prefix = routing.decision == "prefix"
-        self.index = PrefixIndex(pc.capacity_tokens, pc.block_tokens) if prefix else None
+        self.index = PrefixIndex(pc.capacity_tokens) if prefix else None
         self.imbalance = pc.max_load_imbalance
         self.busy_tokens = routing.prefill_busy.queued_tokens
         self.max_decoder_requests = routing.prefill_busy.max_decoder_requests
@@ -109,11 +108,16 @@ class Decider:
             long = c.tokens >= th
             reason = "above_threshold" if long else "below_threshold"
             return Decision(long, c.source, reason, c.tokens, c.exact, c.ids)
-        # a text prompt by its text, even when its ids are known: one key space per prompt kind
-        blocks = index.of_text(c.data, c.tokens) if c.data else index.of_ids(c.ids or [])
+        # a text prompt by what it renders from, even when its ids are known: one key space
+        # per prompt kind (pd_router.prefix.identity)
+        seed, data = identity(body, chat)
+        if c.source == "tokens":
+            blocks = index.of_ids(c.ids or [], seed)
+        else:
+            blocks = index.of_text(data, c.tokens, seed)
         dec, held = self._decoder(pools, blocks)
         # vLLM recomputes at least the prompt's last token (kv_cache_manager.py, 0.31.0)
-        matched = min(blocks.tokens(held), max(0, c.tokens - 1))
+        matched = min(held, max(0, c.tokens - 1))
         reason, disagg = "above_threshold", True
         if c.tokens < th:
             reason, disagg = "below_threshold", False
@@ -132,28 +136,33 @@ class Decider:
         index.record(ep, blocks)
         index.forget_except(known)
 
-    def _decoder(self, pools: Pools, blocks: Blocks) -> tuple[Endpoint | None, int]:
-        """The decoder holding the longest leading run of ``blocks`` (ties: the least busy),
-        unless it is ``maxLoadImbalance`` requests busier than the least busy decoder; with a
-        session affinity key, the session's decoder. Returns it and the blocks it holds."""
-        index, eps = self.index, pools.decoders
+    def _held(self, ep: Endpoint, blocks: Blocks) -> int:
+        """Prompt tokens ``ep`` is taken to hold (whole blocks of its own)."""
+        index = self.index
         assert index is not None
+        return index.claimed(ep, blocks, index.matched(ep, blocks))
+
+    def _decoder(self, pools: Pools, blocks: Blocks) -> tuple[Endpoint | None, int]:
+        """The decoder holding the most of ``blocks`` (ties: the least busy), unless it is
+        ``maxLoadImbalance`` requests busier than the least busy decoder; with a session
+        affinity key, the session's decoder. Returns it and the prompt tokens it holds."""
+        eps = pools.decoders
         if not eps:
             return None, 0
         if pools.affinity:
             ep = balancing.pick(eps, balancing.decode_load, pools.affinity)
             assert ep is not None
-            return ep, index.matched(ep, blocks)
+            return ep, self._held(ep, blocks)
         best: Endpoint | None = None
         best_n = 0
         for ep in eps:
-            n = index.matched(ep, blocks)
+            n = self._held(ep, blocks)
             if n > best_n or (n == best_n and best is not None and ep.active < best.active):
                 best, best_n = ep, n
         if best is None or best.active > min(e.active for e in eps) + self.imbalance:
             ep = balancing.pick(eps, balancing.decode_load)
             assert ep is not None
-            return ep, index.matched(ep, blocks)
+            return ep, self._held(ep, blocks)
         return best, best_n
 
     def _prefill_busy(self, prefillers: Sequence[Endpoint]) -> bool:
@@ -172,16 +181,16 @@ class Decider:
         data = text.encode("utf-8", "surrogatepass")
         nbytes = len(data) + allowance
         if nbytes < th:  # a token covers at least one byte: cannot reach the threshold
-            return Count("bound", max(1, nbytes // BYTES_PER_TOKEN), data=data)
+            return Count("bound", max(1, nbytes // BYTES_PER_TOKEN))
         counter = self.counter
         if counter.local is not None:
             if nbytes <= INLINE_BYTES:
                 n = counter.local_count(text, allowance)
-                return Count("tokenizer", n, True, data=data)
+                return Count("tokenizer", n, True)
             n, exact = await counter.size(text, nbytes - allowance, allowance, th)
-            return Count("tokenizer" if exact else "sampled", n, exact, data=data)
+            return Count("tokenizer" if exact else "sampled", n, exact)
         try:
             ids = await tokenize(body, chat)
         except TokenizeError:
-            return Count("estimate", max(1, nbytes // BYTES_PER_TOKEN), data=data)
-        return Count("engine", len(ids), True, ids, data)
+            return Count("estimate", max(1, nbytes // BYTES_PER_TOKEN))
+        return Count("engine", len(ids), True, ids)

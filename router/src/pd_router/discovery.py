@@ -1,5 +1,6 @@
 """Endpoint pools: static or DNS discovery (headless Service of a StatefulSet, re-resolved
-periodically), active health checks with thresholds and passive ejection."""
+periodically), active health checks with thresholds and passive ejection, and what each engine
+says of its KV cache (pd_router.cache_info), read once each time it becomes healthy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from pd_router import cache_info
+from pd_router.cache_info import CacheInfo
 from pd_router.config import Health, Pool
 
 log = logging.getLogger("pd_router.discovery")
@@ -21,8 +24,11 @@ class Endpoint:
     __slots__ = (
         "active",
         "base",
+        "cache",
+        "cache_asked",
         "consec_bad",
         "consec_ok",
+        "generation",
         "healthy",
         "host",
         "passive_failures",
@@ -45,6 +51,11 @@ class Endpoint:
         self.consec_bad = 0
         self.passive_failures = 0
         self.removed = False
+        # Bumped each time the endpoint becomes healthy: it may have restarted meanwhile, with
+        # an empty KV cache (the prefix index starts its picture of it afresh).
+        self.generation = 0
+        self.cache: CacheInfo | None = None  # what it said of its KV cache (vllm:cache_config_info)
+        self.cache_asked = -1  # the generation it was last asked in
 
     def __repr__(self) -> str:
         return f"Endpoint({self.base}, healthy={self.healthy}, active={self.active})"
@@ -110,6 +121,7 @@ class EndpointPool:
             if not ep.healthy and ep.consec_ok >= h.healthy_threshold:
                 ep.healthy = True
                 ep.passive_failures = 0
+                ep.generation += 1
                 log.info("pool %s: %s is healthy", self.name, ep.base)
                 self._refresh_healthy()
         else:
@@ -135,6 +147,27 @@ class EndpointPool:
             ok = False
         if not ep.removed:
             self._record_check(ep, ok)
+        if ep.healthy and ep.cache_asked != ep.generation:
+            await self._learn_cache(ep)
+
+    async def _learn_cache(self, ep: Endpoint) -> None:
+        """Read the engine's ``vllm:cache_config_info`` once per healthy generation (an engine
+        that does not export it, or does not answer in time, is not asked again until it
+        becomes healthy anew; meanwhile the router claims none of its cache)."""
+        assert self._session is not None
+        ep.cache_asked = gen = ep.generation
+        info = None
+        try:
+            async with asyncio.timeout(self.health.timeout_seconds):
+                async with self._session.get(ep.base + "/metrics") as resp:
+                    if resp.status == 200:
+                        info = cache_info.parse(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            info = None
+        if ep.generation == gen:
+            ep.cache = info
+            if info is None:
+                log.info("pool %s: %s tells nothing of its KV cache", self.name, ep.base)
 
     async def check_all(self, eps: list[Endpoint] | None = None) -> None:
         eps = list(self.endpoints.values()) if eps is None else eps

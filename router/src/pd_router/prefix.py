@@ -1,22 +1,39 @@
-"""Which decoder probably holds a prompt's prefix in its vLLM prefix cache.
+"""Which decoder probably holds a prompt's prefix in its vLLM prefix cache, and how much of it.
 
 An approximate index, like llm-d's approximate prefix-cache scorer and vllm-router's
 cache-aware policy: per decoder, the chained hashes of the prompt blocks this router process
-sent there, in a bounded LRU (``routing.prefixCache.capacityTokens`` per decoder). Nothing is
-learnt from the engines, so it is right as long as the router's picture of what a decoder was
-sent is: a decoder's own evictions, restarts and requests from other router replicas or worker
-processes are unknown to it (README, "Decode-first decision").
+sent there, in a bounded LRU (``routing.prefixCache.capacityTokens`` per decoder, or less when
+the decoder says its cache holds less). Nothing is learnt from the engines but their cache's
+shape (pd_router.cache_info), so it is right as long as the router's picture of what a decoder
+was sent is: a decoder's own evictions, the answers it generated and cached, requests from
+other router replicas or worker processes are unknown to it (README, "Decode-first decision").
+A decoder that became healthy again (it may have restarted) starts with an empty picture.
 
-Blocks as vLLM 0.31.0 hashes them (``v1/core/kv_cache_utils.py`` ``hash_block_tokens``): only
-full blocks, each hash chaining its parent's, so a hit on block ``i`` stands for the whole
-prefix up to it. A token-id prompt is cut into ``blockTokens`` ids; a text prompt, whose ids the
-router rarely knows, into TEXT_BLOCK_BYTES of its UTF-8 text (about four vLLM blocks: a 32 KB
-prompt is 125 blocks to hash, not 500, measured 245 -> 60 us; a match is then known to within
-64 tokens, far below any useful threshold). Each block weighs the tokens it stands for, and a
-decoder's blocks are evicted once they weigh more than ``capacityTokens``. A block is
-recorded most recent last-to-first, as vLLM frees a request's blocks in reverse
-(``v1/core/single_type_kv_cache_manager.py`` ``free``), so a prefix's tail is evicted before its
-head and the leading-run lookup below stays exact under eviction.
+What the engine's prompt starts with (:func:`identity`): vLLM renders the chat template over
+the whole request, and real templates (Qwen's, Llama 3.x's) put the tools, and in Qwen's the
+system prompt, before the first message; vLLM also makes ``cache_salt`` part of the first
+block's identity (``v1/core/kv_cache_utils.py`` ``generate_block_hash_extra_keys``, 0.31.0),
+and so of every block chained to it. So the chain of hashes starts from a seed covering what
+changes every block (tools, functions, documents, the chat template and its arguments, the
+salt), then runs over each message's role, name, content (text, and the JSON of every other
+part: an image is part of the prompt's identity too), tool calls and tool call id, in order.
+Two agents with different tools share no block; two turns of one chat share what they share.
+Left out: the template's own text between messages (the same for every request of a model),
+and what a template does with a field the router does not name; the seed may miss a prefix
+the engine would reuse (a Qwen system prompt before differing tools), never the other way.
+
+Blocks as vLLM 0.31.0 hashes them (``hash_block_tokens``): only full blocks, each hash chaining
+its parent's, so a hit on block ``i`` stands for the whole prefix up to it. A text prompt, whose
+ids the router rarely knows, is cut into TEXT_BLOCK_BYTES of that identity stream (a 32 KB
+prompt is 125 blocks to hash: measured 60 us), a token-id prompt into ID_BLOCK_TOKENS ids. Each
+block weighs the tokens it stands for; what a decoder is said to hold is then rounded DOWN to
+the decoder's own prefix-match unit (its KV block: 16 tokens on GPUs by default, 128 on the
+CPU build, hundreds for hybrid models), and a decoder that did not say claims nothing:
+over-claiming sends a prompt the decoder must prefill itself (the stall disaggregation exists
+to avoid), under-claiming only costs a prefill the prefiller would have done anyway.
+A block is recorded most recent last-to-first, as vLLM frees a request's blocks in reverse
+(``v1/core/single_type_kv_cache_manager.py`` ``free``), so a prefix's tail is evicted before
+its head and the leading-run lookup below stays exact under eviction.
 """
 
 from __future__ import annotations
@@ -24,11 +41,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 from pd_router.discovery import Endpoint
 
 BYTES_PER_TOKEN = 4  # the usual BPE figure for English text and code (also decide's estimate)
 TEXT_BLOCK_BYTES = 256
+ID_BLOCK_TOKENS = 16  # the router's unit for token-id prompts (finer than any engine's block)
+# Request fields that change every block of the prompt when they change (chat only but salt).
+SEED_FIELDS = ("tools", "functions", "documents", "chat_template", "chat_template_kwargs")
+_RS, _US = b"\x1e", b"\x1f"  # separators that never occur in JSON or in the fields' own text
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,43 +66,97 @@ class Blocks:
         return int(n_blocks * self.tokens_per_block)
 
 
-def block_hashes(chunks: Sequence[bytes | tuple[int, ...]]) -> list[int]:
+def block_hashes(chunks: Sequence[bytes | tuple[int, ...]], seed: int = 0) -> list[int]:
     out: list[int] = []
-    h = 0
+    h = seed
     for c in chunks:
         h = hash((h, c))
         out.append(h)
     return out
 
 
+def _bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def identity(body: dict[str, Any], chat: bool) -> tuple[int, bytes]:
+    """(seed, stream): what the engine's prompt starts with and then holds, as far as the
+    router can tell without rendering the template (module docstring)."""
+    seed = 0
+    salt = body.get("cache_salt")
+    keys: list[bytes] = [_bytes(salt)] if salt is not None else []
+    if not chat:
+        p = body.get("prompt")
+        text = p if isinstance(p, str) else "\n".join(x for x in p or () if isinstance(x, str))
+        if keys:
+            seed = hash(tuple(keys))
+        return seed, text.encode("utf-8", "surrogatepass")
+    for f in SEED_FIELDS:
+        v = body.get(f)
+        if v is not None:
+            keys.append(f.encode() + _US + _bytes(v))
+    if keys:
+        seed = hash(tuple(keys))
+    parts: list[bytes] = []
+    for m in body["messages"]:
+        if not isinstance(m, dict):
+            continue
+        parts.append(_bytes(m.get("role", "")))
+        if m.get("name") is not None:
+            parts.append(_US + _bytes(m["name"]))
+        parts.append(_US)
+        c = m.get("content")
+        if isinstance(c, str):
+            parts.append(_bytes(c))
+        elif isinstance(c, list):
+            for p in c:
+                text = p.get("text") if isinstance(p, dict) else None
+                parts.append(_bytes(text) if isinstance(text, str) else _bytes(p))
+        elif c is not None:
+            parts.append(_bytes(c))
+        for f in ("tool_calls", "tool_call_id", "function_call"):
+            if m.get(f) is not None:
+                parts.append(_US + f.encode() + _US + _bytes(m[f]))
+        parts.append(_RS)
+    return seed, b"".join(parts)
+
+
 class _Held(OrderedDict[int, int]):
     """One decoder's blocks, least recently sent first, each with the tokens it stands for."""
 
     tokens = 0
+    generation = 0  # the decoder's healthy generation this picture is of
 
 
 class PrefixIndex:
-    def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
+    def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = capacity_tokens
         self._held: dict[str, _Held] = {}
 
-    def of_text(self, data: bytes, n_tokens: int) -> Blocks:
-        """The blocks of a text prompt's UTF-8 bytes; ``n_tokens``: its (estimated) length."""
+    @staticmethod
+    def of_text(data: bytes, n_tokens: int, seed: int = 0) -> Blocks:
+        """The blocks of a text prompt's identity stream; ``n_tokens``: its (estimated) length."""
         bb = TEXT_BLOCK_BYTES
         n = len(data) // bb
-        hashes = block_hashes([data[i * bb : (i + 1) * bb] for i in range(n)])
+        hashes = block_hashes([data[i * bb : (i + 1) * bb] for i in range(n)], seed)
         per = n_tokens * bb / len(data) if data else 0.0
         return Blocks(hashes, per)
 
-    def of_ids(self, ids: Sequence[int]) -> Blocks:
-        bt = self.block_tokens
+    @staticmethod
+    def of_ids(ids: Sequence[int], seed: int = 0) -> Blocks:
+        bt = ID_BLOCK_TOKENS
         n = len(ids) // bt
-        return Blocks(block_hashes([tuple(ids[i * bt : (i + 1) * bt]) for i in range(n)]), bt)
+        return Blocks(block_hashes([tuple(ids[i * bt : (i + 1) * bt]) for i in range(n)], seed), bt)
+
+    def _picture(self, ep: Endpoint) -> _Held | None:
+        held = self._held.get(ep.base)
+        return held if held is not None and held.generation == ep.generation else None
 
     def matched(self, ep: Endpoint, blocks: Blocks) -> int:
-        """How many leading blocks of the prompt ``ep`` holds."""
-        held = self._held.get(ep.base)
+        """How many leading blocks of the prompt ``ep`` was sent (in its current generation)."""
+        held = self._picture(ep)
         if not held:
             return 0
         n = 0
@@ -88,11 +166,22 @@ class PrefixIndex:
             n += 1
         return n
 
+    @staticmethod
+    def claimed(ep: Endpoint, blocks: Blocks, n_blocks: int) -> int:
+        """The prompt tokens ``ep`` is taken to hold for ``n_blocks`` matched blocks: rounded
+        down to its prefix-match unit; none when it did not say, or caches nothing."""
+        info = ep.cache
+        if info is None or not info.prefix_caching:
+            return 0
+        tokens = blocks.tokens(n_blocks)
+        return tokens - tokens % info.match_unit
+
     def record(self, ep: Endpoint, blocks: Blocks) -> None:
         """``ep`` is sent the prompt: its blocks become its most recent, the head last."""
-        held = self._held.get(ep.base)
+        held = self._picture(ep)
         if held is None:
             held = self._held[ep.base] = _Held()
+            held.generation = ep.generation
         weight = max(1, round(blocks.tokens_per_block))
         for h in reversed(blocks.hashes):
             if h in held:
@@ -100,7 +189,10 @@ class PrefixIndex:
             else:
                 held[h] = weight
                 held.tokens += weight
-        while held.tokens > self.capacity_tokens:
+        cap = self.capacity_tokens
+        if ep.cache is not None and ep.cache.capacity_tokens:
+            cap = min(cap, ep.cache.capacity_tokens)
+        while held.tokens > cap:
             held.tokens -= held.popitem(last=False)[1]
 
     def forget_except(self, live: Collection[Endpoint]) -> None:
@@ -114,5 +206,5 @@ class PrefixIndex:
 
     def size(self, ep: Endpoint) -> tuple[int, int]:
         """(blocks, tokens they stand for) held for ``ep``; the tokens never above capacity."""
-        held = self._held.get(ep.base)
+        held = self._picture(ep)
         return (len(held), held.tokens) if held else (0, 0)

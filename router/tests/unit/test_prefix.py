@@ -4,21 +4,31 @@ every reason, the index's bounds, and the choice of decoder."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any
 
 import pytest
 
+from pd_router import cache_info
+from pd_router.cache_info import CacheInfo
 from pd_router.config import PrefillBusy, PrefixCache, Routing
 from pd_router.decide import Decider, Decision, Pools
 from pd_router.discovery import Endpoint
 from pd_router.failures import TokenizeError
-from pd_router.prefix import TEXT_BLOCK_BYTES, PrefixIndex
+from pd_router.prefix import TEXT_BLOCK_BYTES, PrefixIndex, identity
 
 BLOCK_BYTES = TEXT_BLOCK_BYTES
 
 
-def eps(*ports: int) -> list[Endpoint]:
-    return [Endpoint(f"http://127.0.0.1:{p}") for p in ports]
+GPU_BLOCKS = CacheInfo(block_size=16, match_unit=16, prefix_caching=True, capacity_tokens=None)
+
+
+def eps(*ports: int, cache: CacheInfo | None = GPU_BLOCKS) -> list[Endpoint]:
+    """Decoders that said (vllm:cache_config_info) they cache in 16-token blocks."""
+    out = [Endpoint(f"http://127.0.0.1:{p}") for p in ports]
+    for ep in out:
+        ep.cache = cache
+    return out
 
 
 class NoTokenizer:
@@ -45,7 +55,7 @@ def send(d: Decider, body: dict[str, Any], pools: Pools) -> Decision:
 
 
 def test_index_matches_the_leading_full_blocks_only() -> None:
-    idx = PrefixIndex(capacity_tokens=1 << 20, block_tokens=16)
+    idx = PrefixIndex(capacity_tokens=1 << 20)
     (ep,) = eps(1)
     a = b"a" * (BLOCK_BYTES * 4 + 10)  # 4 full blocks and a partial one (never hashed)
     idx.record(ep, idx.of_text(a, len(a) // 4))
@@ -61,7 +71,7 @@ def test_index_matches_the_leading_full_blocks_only() -> None:
 
 
 def test_index_is_bounded_and_evicts_a_prefix_tail_first() -> None:
-    idx = PrefixIndex(capacity_tokens=16 * 10, block_tokens=16)  # 10 blocks per decoder
+    idx = PrefixIndex(capacity_tokens=16 * 10)  # 10 blocks per decoder
     (ep,) = eps(1)
     first = b"".join(bytes([65 + i]) * BLOCK_BYTES for i in range(6))
     idx.record(ep, idx.of_text(first, 96))
@@ -78,7 +88,7 @@ def test_index_is_bounded_and_evicts_a_prefix_tail_first() -> None:
 
 
 def test_forgets_decoders_that_left_the_pool() -> None:
-    idx = PrefixIndex(capacity_tokens=1024, block_tokens=16)
+    idx = PrefixIndex(capacity_tokens=1024)
     a, b, c = eps(1, 2, 3)
     blocks = idx.of_text(b"x" * BLOCK_BYTES, 16)
     for ep in (a, b, c):
@@ -197,3 +207,129 @@ def test_token_id_prompts_are_indexed_by_their_ids() -> None:
     # 31 full blocks of 16 held; vLLM recomputes at least the last token
     assert nxt.decoder is first.decoder and nxt.matched == 496
     assert nxt.reason == "prefix_cached"
+
+
+# ---------------------------------------------------------------------- what the engine holds
+# vllm:cache_config_info as vLLM 0.31.0's CPU build exports it for a dense model (trimmed to
+# the labels the router reads and a few others, in vLLM's order)
+VLLM_LINE = (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",'
+    'enable_prefix_caching="True",engine="0",kv_cache_size_tokens="524288",'
+    'mamba_cache_mode="none",prefix_match_unit="None",sliding_window="None"} 1.0'
+)
+
+
+def test_the_engines_cache_shape_is_read_from_vllms_own_metric() -> None:
+    page = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        + VLLM_LINE
+        + "\n"
+    )
+    assert cache_info.parse(page) == CacheInfo(128, 128, True, 524288)
+    finer = VLLM_LINE.replace('prefix_match_unit="None"', 'prefix_match_unit="32"')
+    assert cache_info.parse(finer) == CacheInfo(128, 32, True, 524288)
+    off = VLLM_LINE.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+    assert cache_info.parse(off) == CacheInfo(128, 128, False, 524288)
+    assert cache_info.parse('vllm:num_requests_waiting{engine="0"} 0.0\n') is None
+    assert cache_info.parse(VLLM_LINE.replace('block_size="128"', 'block_size="None"')) is None
+
+
+def test_a_claim_is_whole_blocks_of_the_decoders_own_and_nothing_when_it_did_not_say() -> None:
+    idx = PrefixIndex(capacity_tokens=1 << 20)
+    cpu, silent, uncached = (
+        eps(1, cache=CacheInfo(128, 128, True, None))[0],
+        eps(2, cache=None)[0],
+        eps(3, cache=CacheInfo(16, 16, False, None))[0],
+    )
+    blocks = idx.of_text(b"a" * BLOCK_BYTES * 10, 10 * 64)  # 10 text blocks of 64 tokens each
+    for ep in (cpu, silent, uncached):
+        idx.record(ep, blocks)
+        assert idx.matched(ep, blocks) == 10
+    assert idx.claimed(cpu, blocks, 10) == 640  # 5 whole 128-token blocks
+    assert idx.claimed(cpu, blocks, 3) == 128  # 192 tokens: one whole block
+    assert idx.claimed(silent, blocks, 10) == 0
+    assert idx.claimed(uncached, blocks, 10) == 0
+
+
+def test_a_decoder_that_became_healthy_again_starts_with_an_empty_picture() -> None:
+    idx = PrefixIndex(capacity_tokens=1 << 20)
+    (ep,) = eps(1)
+    blocks = idx.of_text(b"a" * BLOCK_BYTES * 4, 256)
+    idx.record(ep, blocks)
+    assert idx.matched(ep, blocks) == 4
+    ep.generation += 1  # discovery: unhealthy, then healthy (it may have restarted)
+    assert idx.matched(ep, blocks) == 0 and idx.size(ep) == (0, 0)
+    idx.record(ep, blocks)
+    assert idx.matched(ep, blocks) == 4
+
+
+def test_the_decoders_own_capacity_bounds_its_picture() -> None:
+    idx = PrefixIndex(capacity_tokens=1 << 20)
+    (ep,) = eps(1, cache=CacheInfo(16, 16, True, 16 * 5))
+    idx.record(ep, idx.of_ids(list(range(16 * 20))))
+    assert idx.size(ep) == (5, 80)
+
+
+def chat(*messages: tuple[str, str], **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": r, "content": c} for r, c in messages], **extra}
+
+
+def shared_blocks(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """Leading blocks of ``b`` a decoder sent ``a`` holds."""
+    idx = PrefixIndex(capacity_tokens=1 << 20)
+    (ep,) = eps(1)
+    sa, da = identity(a, True)
+    sb, db = identity(b, True)
+    idx.record(ep, idx.of_text(da, len(da) // 4, sa))
+    return idx.matched(ep, idx.of_text(db, len(db) // 4, sb))
+
+
+SYSTEM = "You are an agent. " * 100
+TOOL = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+OTHER_TOOL = {
+    "type": "function",
+    "function": {"name": "read_file", "parameters": {"type": "object"}},
+}
+
+
+def test_agents_with_other_tools_share_no_block() -> None:
+    """Templates render the tools before the messages: another tool set, another prompt."""
+    a = chat(("system", SYSTEM), ("user", "task one"), tools=[TOOL])
+    same_tools = chat(("system", SYSTEM), ("user", "task two"), tools=[TOOL])
+    other_tools = chat(("system", SYSTEM), ("user", "task one"), tools=[OTHER_TOOL])
+    no_tools = chat(("system", SYSTEM), ("user", "task one"))
+    assert shared_blocks(a, same_tools) >= len(SYSTEM) // BLOCK_BYTES
+    assert shared_blocks(a, other_tools) == shared_blocks(a, no_tools) == 0
+    # the same tools with their keys in another order are the same tools (JSON objects)
+    reordered = {
+        "function": {"parameters": {"type": "object"}, "name": "search"},
+        "type": "function",
+    }
+    assert shared_blocks(a, chat(("system", SYSTEM), ("user", "task one"), tools=[reordered])) > 0
+
+
+def test_the_salt_roles_and_images_are_part_of_the_prompt() -> None:
+    a = chat(("system", SYSTEM), ("user", "hi"))
+    assert shared_blocks(a, chat(("system", SYSTEM), ("user", "hi"), cache_salt="tenant-2")) == 0
+    assert shared_blocks(a, chat(("user", SYSTEM), ("user", "hi"))) == 0  # another role
+    img = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with_image = {
+        "messages": [{"role": "user", "content": [img, {"type": "text", "text": SYSTEM}]}]
+    }
+    other_image = copy.deepcopy(with_image)
+    other_image["messages"][0]["content"][0]["image_url"]["url"] = "https://example.com/b.png"
+    assert shared_blocks(with_image, with_image) > 0
+    assert shared_blocks(with_image, other_image) == 0
+
+
+def test_a_conversations_next_turn_shares_its_earlier_turns() -> None:
+    turn1 = chat(("system", SYSTEM), ("user", "first question " * 30))
+    turn2 = chat(
+        ("system", SYSTEM),
+        ("user", "first question " * 30),
+        ("assistant", "an answer"),
+        ("user", "next"),
+    )
+    held = shared_blocks(turn1, turn2)
+    _, d1 = identity(turn1, True)
+    assert held == len(d1) // BLOCK_BYTES  # every full block of the first turn

@@ -24,7 +24,7 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
     "tokenFile" (ternary (include "pd-inference.hfTokenFile" .) "" (eq (include "pd-inference.routerNeedsHfToken" .) "true"))
     "timeoutSeconds" (include "pd-inference.routerTokenizerFetchSeconds" . | int)))
   "routing" (dict "connector" $v.kvTransfer.connector "threshold" (int $r.threshold) "sessionAffinityHeader" $r.sessionAffinityHeader "decision" $r.decision
-    "prefixCache" (dict "capacityTokens" (int $r.prefixCache.capacityTokens) "blockTokens" (int $r.prefixCache.blockTokens) "maxLoadImbalance" (int $r.prefixCache.maxLoadImbalance))
+    "prefixCache" (dict "capacityTokens" (int $r.prefixCache.capacityTokens) "maxLoadImbalance" (int $r.prefixCache.maxLoadImbalance))
     "prefillBusy" (dict "queuedTokens" (int $r.prefillBusy.queuedTokens) "maxDecoderRequests" (int $r.prefillBusy.maxDecoderRequests)))
   "pools" (dict
     "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" $port.prefill "refreshSeconds" (int $r.discoveryRefreshSeconds)))

@@ -9,9 +9,12 @@ metrics (``vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py``, ``NixlP
 0.33 adds ``vllm:nixl_num_notifications_after_expiry``). Same ``prometheus_client`` library
 as vLLM, so the exposition format (``_total``/``_created`` samples, label order) is its own.
 
+``vllm:cache_config_info`` carries the labels vLLM 0.31.0's ``CacheConfig.metrics_info`` gives
+(as its CPU build exports them), with the simulator's own block size and capacity: the router
+reads its block size there, as it does from a real engine.
+
 Not exported: vLLM's HTTP-server metrics (prometheus_fastapi_instrumentator), process
-metrics, ``vllm:cache_config_info``, speculative-decoding, LoRA, multimodal-cache contents
-and 0.33's new core metrics.
+metrics, speculative-decoding, LoRA, multimodal-cache contents and 0.33's new core metrics.
 """
 
 from __future__ import annotations
@@ -144,8 +147,36 @@ class _Collector:
             yield fam.collect()
 
 
+# vllm:cache_config_info's labels, in vLLM 0.31.0's order, with the values a default engine
+# shows (read off its CPU build); VllmMetrics sets those the simulator decides.
+CACHE_CONFIG_INFO = {
+    "_block_size_resolved": "True", "block_size": "16", "cache_dtype": "auto",
+    "effective_attention_block_size": "16", "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True", "engine": "0", "gpu_memory_utilization": "0.92",
+    "is_attention_free": "False", "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None",
+    "kv_cache_max_concurrency": "None", "kv_cache_memory_bytes": "None",
+    "kv_cache_size_tokens": "None", "kv_offloading_backend": "native",
+    "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False", "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto", "mamba_cache_mode": "none", "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "float32", "num_cpu_blocks": "None", "num_gpu_blocks": "None",
+    "num_gpu_blocks_override": "None", "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256", "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16", "skip_page_size_padded": "None", "sliding_window": "None",
+    "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+    "user_specified_block_size": "False", "user_specified_mamba_block_size": "False",
+}  # fmt: skip
+
+
 class VllmMetrics:
-    def __init__(self, model: str, max_model_len: int, kv_connector: str, version: str) -> None:
+    def __init__(
+        self,
+        model: str,
+        max_model_len: int,
+        kv_connector: str,
+        version: str,
+        cache: dict[str, str] | None = None,
+    ) -> None:
+        """``cache``: vllm:cache_config_info labels to set over CACHE_CONFIG_INFO."""
         self.registry = CollectorRegistry()
         col = _Collector()
         self.registry.register(col)  # type: ignore[arg-type]  # a collector, not a metric
@@ -167,6 +198,10 @@ class VllmMetrics:
         def hist(name: str, doc: str, buckets: Any) -> _Child:
             return col.add(_Family("histogram", name, doc, names, buckets)).labels(*lv)
 
+        info = {**CACHE_CONFIG_INFO, **(cache or {})}
+        gauge_family(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info)
+        ).labels(*info.values()).set(1)
         self.running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )

@@ -184,7 +184,18 @@ class SimEngine:
         self.cfg = cfg
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.state: dict[str, Any] = {"fault": cfg.fault, "fault_count": -1}
-        self.vm = VllmMetrics(cfg.model, cfg.max_model_len, cfg.kv_connector, cfg.vllm_version)
+        caching = cfg.prefix_cache_tokens // BLOCK_SIZE > 1
+        cache = {
+            "block_size": str(BLOCK_SIZE),
+            "effective_attention_block_size": str(BLOCK_SIZE),
+            "enable_prefix_caching": str(caching),
+            "num_gpu_blocks": str(cfg.num_gpu_blocks),
+            "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
+            "kv_cache_size_tokens": str(cfg.prefix_cache_tokens if caching else 0),
+        }
+        self.vm = VllmMetrics(
+            cfg.model, cfg.max_model_len, cfg.kv_connector, cfg.vllm_version, cache
+        )
         self.engine = Engine(cfg, self.state, self.vm)
         blocks = cfg.prefix_cache_tokens // BLOCK_SIZE
         self.prefix_cache = PrefixCache(blocks) if blocks > 1 else None
