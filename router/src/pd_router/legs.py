@@ -325,13 +325,6 @@ class Legs:
             hdrs["Retry-After"] = "2"
         return down.error(err.status, msg, "upstream_error", hdrs)
 
-    def passthrough(
-        self, ctx: Ctx, down: Downstream, status: int, raw: bytes
-    ) -> web.StreamResponse:
-        """An engine's 4xx answer, as the engine sent it."""
-        self.outcomes.count(ctx.route, "client_error")
-        return down.reply(status, raw, ctx.reply_headers(), JSON)
-
     async def error_detail(self, resp: Response, limit: int = 4096) -> tuple[str, str]:
         """(type, message) of an engine's error answer, from at most its first ``limit`` bytes
         (read under the response's idle timeout); the response is released."""

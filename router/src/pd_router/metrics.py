@@ -35,7 +35,7 @@ ROUTES_OUTCOMES = (
 FALLBACK_REASONS = (
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
-    "reasoning_parser",
+    "reasoning_parser", "prefill_refused",
 )  # fmt: skip
 REJECT_REASONS = ("queue_full", "queue_timeout")
 # pd_router_decisions_total{route, reason}: what pd_router.decide returns (a fallback is counted

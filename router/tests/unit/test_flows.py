@@ -220,12 +220,24 @@ def test_nixl_serves_directly_when_the_prefill_leg_fails(
     assert w.load() == [(0, 0)] * 2
 
 
-def test_nixl_passes_a_prefiller_4xx_through() -> None:
+@pytest.mark.parametrize(
+    "decoder", [FakeResponse(400, b'{"error":"yours"}'), FakeResponse(200, completion("ok"))]
+)
+def test_a_prefiller_4xx_is_answered_by_a_decoder_for_the_clients_own_request(
+    decoder: FakeResponse,
+) -> None:
+    """The prefiller refused the leg's body (max_tokens 1, no stream, hand-off fields): vLLM's
+    message would speak of a request the client never sent. A decoder gets the client's own."""
     w = World()
-    w.up.on(P1, "/v1/completions", FakeResponse(400, b'{"error":"bad"}'))
+    w.up.on(P1, "/v1/completions", FakeResponse(400, b'{"error":"you requested 1 output tokens"}'))
+    w.up.on(D1, "/v1/completions", decoder)
     down = FakeDownstream()
-    run(nixl(w).serve(ctx({"prompt": "long"}), down))
-    assert (down.status, down.body) == (400, b'{"error":"bad"}') and len(w.up.calls) == 1
+    run(nixl(w).serve(ctx({"prompt": "long", "max_tokens": 9}), down))
+    sent = w.up.calls_to("/v1/completions")
+    assert len(sent) == 2 and sent[1][1] == {"prompt": "long", "max_tokens": 9}
+    assert down.status == decoder.status and down.body == b"".join(decoder.chunks)
+    assert down.headers["x-pd-reason"] == "prefill_refused"
+    assert w.sample("pd_router_fallbacks_total", reason="prefill_refused") == 1
     assert w.load() == [(0, 0)] * 2
 
 

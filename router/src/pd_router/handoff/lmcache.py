@@ -317,8 +317,6 @@ class LMCacheRoute:
         legs = self.legs
         t0 = time.perf_counter()
         first = await self._prefill(ctx, plan, ticket.req_id)
-        if isinstance(first, tuple):  # an engine 4xx, as it sent it
-            return legs.passthrough(ctx, down, *first)
         if isinstance(first, str):
             hold.release()  # not waiting for a KV any more
             self.waiter.cancel(ticket)
@@ -386,8 +384,9 @@ class LMCacheRoute:
         )
         return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in out)
 
-    async def _prefill(self, ctx: Ctx, plan: Plan, req_id: str) -> First | str | tuple[int, bytes]:
-        """The prefill leg: its first token, a fallback reason, or an engine 4xx."""
+    async def _prefill(self, ctx: Ctx, plan: Plan, req_id: str) -> First | str:
+        """The prefill leg: its first token, or a fallback reason (a prefiller's 4xx refused
+        the leg's body, not the client's: handoff/nixl.py)."""
         legs, lm = self.legs, self.lm
         body = prefill_body(
             ctx.body, plan.ids, req_id, plan.dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
@@ -395,11 +394,11 @@ class LMCacheRoute:
         # ids known: a completion of them; else the client's own endpoint, asking for them
         path = DECODE_PATH if plan.ids is not None or not ctx.chat else ctx.path
         try:
-            status, presp, praw = await legs.prefill(ctx, plan.pre, path, body, plan.ntok)
+            status, presp, _ = await legs.prefill(ctx, plan.pre, path, body, plan.ntok)
         except LegError as err:
             return legs.prefill_failed(plan.pre, err)
         if status != 200:
-            return status, praw
+            return "prefill_refused"
         ids = plan.ids
         try:
             tok = presp["kv_transfer_params"]["first_tok"]

@@ -80,11 +80,15 @@ class NixlRoute:
         # prefiller load: the prompt length as the decision saw it, else bytes / 4
         ntok = ctx.ptok or len(ctx.raw) // 4
         try:
-            status, resp, praw = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
+            status, resp, _ = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
         except LegError as err:
             return await direct.fallback(ctx, down, legs.prefill_failed(ep, err))
         if status != 200:
-            return legs.passthrough(ctx, down, status, praw)
+            # The prefiller refused the prefill leg's body (max_tokens 1, no stream, the
+            # hand-off fields), not the client's: vLLM's message would describe a request the
+            # client never sent ("you requested 1 output tokens"). A decoder answers the
+            # client's own request, refusing it in the client's terms or serving it.
+            return await direct.fallback(ctx, down, "prefill_refused")
         legs.prefill_pool.report_success(ep)
         kvp = decode_params(resp)
         if kvp is None:
