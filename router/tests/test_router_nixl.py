@@ -212,6 +212,26 @@ def test_prefill_error_and_timeout_fall_back(nx: Nixl, router: Proc) -> None:
     )
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_failed_kv_load_is_served_again_without_the_handoff(
+    nx: Nixl, chat: bool, stream: bool
+) -> None:
+    """The decoder's KV load fails (vLLM 0.31: a 500, or a 200 stream of the role chunk and
+    [DONE], no token): the answer is the decoder's own, never an empty one, on the one decoder
+    there is."""
+    r = nx.router(f"nx-router-kvfail-{chat}-{stream}", decoders=[nx.decoders[0].url()])
+    text = long_text(300)
+    want = answer(nx.decoders[0].url(), chat, text, False, ignore_eos=True, max_tokens=8)[0]
+    before = metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "decode_retry"})
+    set_fault(nx.decoders[0], "kv_load_fail", 1)
+    got, n, route = answer(r.url(), chat, text, stream, ignore_eos=True, max_tokens=8)
+    assert (got, n, route) == (want, 8, "fallback")
+    assert metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "decode_retry"}) == (
+        before + 1
+    )
+
+
 def test_decoder_failure_before_first_byte_is_retried(nx: Nixl) -> None:
     r = nx.router(
         "nx-router-retry", {"health": {"intervalSeconds": 60, "passiveFailureThreshold": 100}}

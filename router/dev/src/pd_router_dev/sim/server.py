@@ -80,6 +80,7 @@ from pd_router_dev.sim.metrics import VllmMetrics
 FAULTS = (
     "none",
     "error",
+    "kv_load_fail",
     "hang",
     "slow",
     "unhealthy",
@@ -465,6 +466,10 @@ class SimEngine:
         ctx = Ctx(
             req, ("chatcmpl-" if chat else "cmpl-") + base, int(time.time()), self.fingerprint
         )
+        kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if fault == "kv_load_fail" and isinstance(kv, dict) and kv.get("do_remote_prefill"):
+            self._consume_fault()
+            return await self._kv_load_failed(request, ctx)
         if any(not p for p in req.prompts):
             # v1/engine/input_processor.py _validate_prompt_len: raised once generation
             # starts, so inside the stream when streaming (create_streaming_error_response)
@@ -795,6 +800,39 @@ class SimEngine:
             }
             tail = _sse(usage_chunk)
         await resp.write(tail + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _kv_load_failed(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+        """A decode whose NIXL KV load fails under ``kv_load_failure_policy: fail``, as vLLM
+        0.31.0 answers it (seen on its CPU build with an unreachable side channel): the request
+        finishes with reason ``error`` and no token; a whole answer is a 500, a stream is a 200
+        with a chat's role chunk, the usage chunk when asked, and ``[DONE]``."""
+        self.vm.success["error"].inc()
+        if "failed_transfers" in self.vm.nixl:
+            self.vm.nixl["failed_transfers"].inc()
+        req = ctx.req
+        if not req.stream:
+            return _err(500, "Internal server error", "InternalServerError")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        head = {
+            "id": ctx.rid,
+            "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": ctx.created,
+            "model": self.cfg.model,
+        }
+        out = b""
+        if req.chat:
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            out += _sse(
+                {**head, "choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+            )
+        if req.include_usage:
+            usage = {"choices": [], "usage": _usage(len(req.prompts[0]), 0)}
+            out += _sse({**head, **usage, "system_fingerprint": ctx.fingerprint})
+        await resp.write(out + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
