@@ -58,6 +58,13 @@ class Count:
     tokens: int  # the prompt size observed (exact or estimated)
     exact: bool = False
     ids: list[int] | None = None  # the prompt's token ids, when they were learnt
+    allowance: int = 0  # the template tokens ``tokens`` allows for (an upper bound)
+
+    @property
+    def text_tokens(self) -> int:
+        """The prompt's tokens but the template's, at least (what the prefix index weighs its
+        blocks by: too few only under-claims a decoder's cache)."""
+        return max(0, self.tokens - self.allowance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +121,7 @@ class Decider:
         if c.source == "tokens":
             blocks = index.of_ids(c.ids or [], seed)
         else:
-            blocks = index.of_text(data, c.tokens, seed)
+            blocks = index.of_text(data, c.text_tokens, seed)
         dec, held = self._decoder(pools, blocks)
         # vLLM recomputes at least the prompt's last token (kv_cache_manager.py, 0.31.0)
         matched = min(held, max(0, c.tokens - 1))
@@ -181,16 +188,16 @@ class Decider:
         data = text.encode("utf-8", "surrogatepass")
         nbytes = len(data) + allowance
         if nbytes < th:  # a token covers at least one byte: cannot reach the threshold
-            return Count("bound", max(1, nbytes // BYTES_PER_TOKEN))
+            return Count("bound", max(1, nbytes // BYTES_PER_TOKEN), allowance=allowance)
         counter = self.counter
         if counter.local is not None:
             if nbytes <= INLINE_BYTES:
                 n = counter.local_count(text, allowance)
-                return Count("tokenizer", n, True)
+                return Count("tokenizer", n, True, allowance=allowance)
             n, exact = await counter.size(text, nbytes - allowance, allowance, th)
-            return Count("tokenizer" if exact else "sampled", n, exact)
+            return Count("tokenizer" if exact else "sampled", n, exact, allowance=allowance)
         try:
             ids = await tokenize(body, chat)
         except TokenizeError:
-            return Count("estimate", max(1, nbytes // BYTES_PER_TOKEN))
-        return Count("engine", len(ids), True, ids)
+            return Count("estimate", max(1, nbytes // BYTES_PER_TOKEN), allowance=allowance)
+        return Count("engine", len(ids), True, ids, allowance)

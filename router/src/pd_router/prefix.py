@@ -14,10 +14,11 @@ the whole request, and real templates (Qwen's, Llama 3.x's) put the tools, and i
 system prompt, before the first message; vLLM also makes ``cache_salt`` part of the first
 block's identity (``v1/core/kv_cache_utils.py`` ``generate_block_hash_extra_keys``, 0.31.0),
 and so of every block chained to it. So the chain of hashes starts from a seed covering what
-changes every block (tools, functions, documents, the chat template and its arguments, the
-salt), then runs over each message's role, name, content (text, and the JSON of every other
-part: an image is part of the prompt's identity too), tool calls and tool call id, in order.
-Two agents with different tools share no block; two turns of one chat share what they share.
+changes every block (the chat template, its arguments, the salt), then runs over the tools,
+functions and documents (as JSON), then over each message's role, name, content (text, and the
+JSON of every other part: an image is part of the prompt's identity too), tool calls and tool
+call id, in order. Agents with different tools share no block past where the tools differ;
+two turns of one chat share what they share.
 Left out: the template's own text between messages (the same for every request of a model),
 and what a template does with a field the router does not name; the seed may miss a prefix
 the engine would reuse (a Qwen system prompt before differing tools), never the other way.
@@ -26,9 +27,11 @@ Blocks as vLLM 0.31.0 hashes them (``hash_block_tokens``): only full blocks, eac
 its parent's, so a hit on block ``i`` stands for the whole prefix up to it. A text prompt, whose
 ids the router rarely knows, is cut into TEXT_BLOCK_BYTES of that identity stream (a 32 KB
 prompt is 125 blocks to hash: measured 60 us), a token-id prompt into ID_BLOCK_TOKENS ids. Each
-block weighs the tokens it stands for; what a decoder is said to hold is then rounded DOWN to
-the decoder's own prefix-match unit (its KV block: 16 tokens on GPUs by default, 128 on the
-CPU build, hundreds for hybrid models), and a decoder that did not say claims nothing:
+block weighs the tokens it stands for: the prompt's tokens but the template's allowance,
+spread over the stream's bytes (roles and separators included, so a block is weighed low
+rather than high). What a decoder is said to hold is then rounded DOWN to the decoder's own
+prefix-match unit (its KV block: 16 tokens on GPUs by default, 128 on the CPU build, hundreds
+for hybrid models), and a decoder that did not say claims nothing:
 over-claiming sends a prompt the decoder must prefill itself (the stall disaggregation exists
 to avoid), under-claiming only costs a prefill the prefiller would have done anyway.
 A block is recorded most recent last-to-first, as vLLM frees a request's blocks in reverse
@@ -51,7 +54,9 @@ BYTES_PER_TOKEN = 4  # the usual BPE figure for English text and code (also deci
 TEXT_BLOCK_BYTES = 256
 ID_BLOCK_TOKENS = 16  # the router's unit for token-id prompts (finer than any engine's block)
 # Request fields that change every block of the prompt when they change (chat only but salt).
-SEED_FIELDS = ("tools", "functions", "documents", "chat_template", "chat_template_kwargs")
+SEED_FIELDS = ("chat_template", "chat_template_kwargs")
+# Rendered before the first message (tools: Qwen's and Llama 3.x's templates): the stream's head.
+HEAD_FIELDS = ("tools", "functions", "documents")
 _RS, _US = b"\x1e", b"\x1f"  # separators that never occur in JSON or in the fields' own text
 
 
@@ -100,6 +105,10 @@ def identity(body: dict[str, Any], chat: bool) -> tuple[int, bytes]:
     if keys:
         seed = hash(tuple(keys))
     parts: list[bytes] = []
+    for f in HEAD_FIELDS:
+        v = body.get(f)
+        if v is not None:
+            parts.append(f.encode() + _US + _bytes(v) + _RS)
     for m in body["messages"]:
         if not isinstance(m, dict):
             continue

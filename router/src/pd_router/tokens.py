@@ -53,9 +53,22 @@ def decided(estimate: int, threshold: int, margin: float) -> bool:
     return estimate >= threshold * margin or estimate * margin <= threshold
 
 
+def tools_json(body: dict[str, Any]) -> str:
+    """The tools (and legacy functions) a chat template renders, as JSON; "" when none."""
+    out = [
+        orjson.dumps(body[k]).decode() for k in ("tools", "functions") if body.get(k) is not None
+    ]
+    return "\n".join(out)
+
+
 def prompt_text(body: dict[str, Any], chat: bool) -> str:
+    """What a prompt's tokens are made of, but the chat template's own: the text of every
+    message and, for a chat, the JSON of its tools (templates render them, as text)."""
     if chat:
         parts: list[str] = []
+        tools = tools_json(body)
+        if tools:
+            parts.append(tools)
         for m in body["messages"]:
             c = m.get("content")
             if isinstance(c, str):
@@ -74,13 +87,11 @@ def prompt_text(body: dict[str, Any], chat: bool) -> str:
 
 
 def template_allowance(body: dict[str, Any], chat: bool) -> int:
+    """Tokens a chat template adds around the text (system header, role markers, generation
+    prompt), an upper bound: the count decides a threshold, where too many only disaggregates."""
     if not chat:
         return 4
-    extra = TEMPLATE_BASE + TEMPLATE_PER_MESSAGE * len(body["messages"])
-    for key in ("tools", "functions"):
-        if body.get(key) is not None:
-            extra += len(orjson.dumps(body[key]))
-    return extra
+    return TEMPLATE_BASE + TEMPLATE_PER_MESSAGE * len(body["messages"])
 
 
 def token_ids_prompt(body: dict[str, Any]) -> list[int] | None:
