@@ -10,6 +10,14 @@ linear-attention mixes) raised until an attention page holds a Mamba state
 a ``--block-size`` the user set. A prefix-cache hit covers whole blocks (or whole
 ``prefix_match_unit`` tokens where that is set), so the router rounds what it believes a decoder
 holds down to that unit, and claims nothing of an engine that did not say.
+
+A hybrid model's prefix is reusable only where vLLM checkpointed its linear-attention state
+(``mamba_cache_mode`` ``align``: at block boundaries a scheduled chunk ended on), which the
+router cannot tell from the prompts it sent. Measured on vLLM 0.31.0's CPU build with a tiny
+Qwen3.5-style model (tests/real_engine/test_real_hybrid.py): a conversation's next turn reused
+nothing in one run and two 256-token blocks in another, the very same prompt again reused nothing
+after a direct turn and three blocks after a disaggregated one. So the router claims nothing of
+a hybrid engine's cache (``hybrid``); vLLM's KV-cache events would tell.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ class CacheInfo:
     match_unit: int  # the finest boundary a prefix-cache hit lands on (hash_block_size)
     prefix_caching: bool  # enable_prefix_caching: off, nothing is ever reused
     capacity_tokens: int | None  # kv_cache_size_tokens: what the whole cache holds
+    hybrid: bool = False  # a Mamba/linear-attention state cache beside the KV (mamba_cache_mode)
 
 
 def _int(labels: dict[str, str], key: str) -> int | None:
@@ -46,5 +55,6 @@ def parse(text: str) -> CacheInfo | None:
             return None
         unit = _int(labels, "prefix_match_unit") or block
         caching = labels.get("enable_prefix_caching", "True") == "True"
-        return CacheInfo(block, unit, caching, _int(labels, "kv_cache_size_tokens"))
+        hybrid = labels.get("mamba_cache_mode", "none") not in ("none", "None", "")
+        return CacheInfo(block, unit, caching, _int(labels, "kv_cache_size_tokens"), hybrid)
     return None

@@ -178,10 +178,10 @@ class PrefixIndex:
     @staticmethod
     def claimed(ep: Endpoint, blocks: Blocks, n_blocks: int) -> int:
         """The prompt tokens ``ep`` is taken to hold for ``n_blocks`` matched blocks: rounded
-        down to its prefix-match unit; none when it did not say, or caches nothing."""
+        down to its prefix-match unit; none when it did not say, caches nothing, or is hybrid."""
         info = ep.cache
-        if info is None or not info.prefix_caching:
-            return 0
+        if info is None or not info.prefix_caching or info.hybrid:
+            return 0  # unknown, nothing cached, or unknowable (cache_info: hybrid)
         tokens = blocks.tokens(n_blocks)
         return tokens - tokens % info.match_unit
 

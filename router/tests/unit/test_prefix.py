@@ -231,6 +231,8 @@ def test_the_engines_cache_shape_is_read_from_vllms_own_metric() -> None:
     assert cache_info.parse(finer) == CacheInfo(128, 32, True, 524288)
     off = VLLM_LINE.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
     assert cache_info.parse(off) == CacheInfo(128, 128, False, 524288)
+    hybrid = VLLM_LINE.replace('mamba_cache_mode="none"', 'mamba_cache_mode="align"')
+    assert cache_info.parse(hybrid) == CacheInfo(128, 128, True, 524288, hybrid=True)
     assert cache_info.parse('vllm:num_requests_waiting{engine="0"} 0.0\n') is None
     assert cache_info.parse(VLLM_LINE.replace('block_size="128"', 'block_size="None"')) is None
 
@@ -250,6 +252,11 @@ def test_a_claim_is_whole_blocks_of_the_decoders_own_and_nothing_when_it_did_not
     assert idx.claimed(cpu, blocks, 3) == 128  # 192 tokens: one whole block
     assert idx.claimed(silent, blocks, 10) == 0
     assert idx.claimed(uncached, blocks, 10) == 0
+    # a hybrid model's prefix is reusable only where vLLM checkpointed its linear-attention
+    # state, which the router cannot know (pd_router.cache_info)
+    (hybrid,) = eps(4, cache=CacheInfo(256, 256, True, None, hybrid=True))
+    idx.record(hybrid, blocks)
+    assert idx.matched(hybrid, blocks) == 10 and idx.claimed(hybrid, blocks, 10) == 0
 
 
 def test_a_decoder_that_became_healthy_again_starts_with_an_empty_picture() -> None:
