@@ -14,6 +14,16 @@ from tests.engines import rendered, stack
 pytestmark = pytest.mark.xdist_group("engine-vllm-cli")
 
 ENGINES = rendered.all_engines()
+MODEL_CONFIGS = stack.ROOT / "tests" / "engines" / "model_configs"
+
+
+def config_dir(model: str) -> str:
+    """The folder holding ``model``'s hub config.json (tests/engines/model_configs/README.md)."""
+    path = MODEL_CONFIGS / model.replace("/", "--")
+    assert (path / "config.json").is_file(), f"add the hub config.json of {model} to {path}"
+    return str(path)
+
+
 CONNECTORS = ["LMCacheConnectorV1", "NixlConnector"]
 # The negative controls: things the parser must refuse, or this test proves nothing.
 BAD = {
@@ -21,13 +31,25 @@ BAD = {
     "bad kv-transfer-config": ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_rolee": "kv_both"}'],
     "bad kv_role": ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_everything"}'],
 }
+# ... and command lines that parse but that vLLM must refuse once it knows the model
+# (Llama 3.3 70B: 131072 positions, 64 attention heads).
+BAD_FOR_THE_MODEL = {
+    "context over the model's": ["--max-model-len=200000"],
+    "tensor parallelism that does not divide the heads": ["--tensor-parallel-size=3"],
+}
+LLAMA_70B = "meta-llama/Llama-3.3-70B-Instruct"
 
 
 @functools.cache
 def parsed(version: str) -> dict[str, Any]:
-    cases = [{"name": e.name, "args": e.args, "env": e.env} for e in ENGINES]
+    cases = [{"name": e.name, "args": e.args, "env": e.env, "config_dir": config_dir(e.args[0])} for e in ENGINES]
     base = ENGINES[0].args
     cases += [{"name": f"BAD {name}", "args": [*base, *extra], "env": {}} for name, extra in BAD.items()]
+    llama = next(e for e in ENGINES if e.args[0] == LLAMA_70B).args
+    cases += [
+        {"name": f"BAD {name}", "args": [*llama, *extra], "env": {}, "config_dir": config_dir(LLAMA_70B)}
+        for name, extra in BAD_FOR_THE_MODEL.items()
+    ]
     out = stack.run("vllm_cli.py", {"cases": cases, "connectors": CONNECTORS}, vllm=version)
     out["by_name"] = {r["name"]: r for r in out["results"]}
     return out
@@ -104,3 +126,26 @@ def test_every_render_of_a_hybrid_model_runs_on_a_connector_vllm_gives_hma(vllm_
         assert result["supports_hma"] is (result["connector_class"] != "LMCacheConnectorV1"), e.name
         if e.hybrid:
             assert result["supports_hma"] is True, e.name
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e.name)
+def test_vllm_builds_the_whole_engine_config_for_the_model(vllm_version: str, engine: rendered.Engine) -> None:
+    """Past the parser: vLLM's checks that need the model (its context length, its heads over
+    the tensor-parallel size, its architecture) accept every render, and vLLM's own judgement of
+    a hybrid model is the chart's (templates/_helpers.tpl pd-inference.hybridFamily)."""
+    result = parsed(vllm_version)["by_name"][engine.name]
+    assert "engine_error" not in result, result.get("engine_error")
+    eng = result["engine"]
+    flags = dict(a.split("=", 1) for a in engine.args if a.startswith("--") and "=" in a)
+    assert eng["max_model_len"] == int(flags["--max-model-len"])
+    assert eng["tensor_parallel_size"] == engine.tp
+    assert eng["is_hybrid"] is engine.hybrid, (engine.name, eng)
+
+
+def test_the_engine_config_refuses_what_the_model_cannot_do_negative_control(vllm_version: str) -> None:
+    by = parsed(vllm_version)["by_name"]
+    for name in BAD_FOR_THE_MODEL:
+        result = by[f"BAD {name}"]
+        assert "error" not in result, result  # the parser alone accepts it ...
+        assert "engine_error" in result, f"vLLM {vllm_version} built an engine config with {name}"
+    assert "max_model_len" in by["BAD context over the model's"]["engine_error"]

@@ -2,10 +2,17 @@
 command lines with `vllm serve`'s own argument parser, validate them as `vllm serve` does, build
 AsyncEngineArgs, and look at what vLLM made of the KV-transfer config and the env.
 
-stdin:  {"cases": [{"name", "args": [...after `vllm serve`], "env": {VLLM_*: ...}}],
+stdin:  {"cases": [{"name", "args": [...after `vllm serve`], "env": {VLLM_*: ...},
+                    "config_dir": DIR (optional)}],
          "connectors": ["LMCacheConnectorV1", ...]}
-stdout: {"version", "results": [{"name", "error" | parsed fields}], "connectors": {name: {...}},
-         "env_defined": {VAR: bool}}
+stdout: {"version", "results": [{"name", "error" | parsed fields, "engine" | "engine_error"}],
+         "connectors": {name: {...}}, "env_defined": {VAR: bool}}
+
+With ``config_dir`` (the model's hub ``config.json``, tests/engines/model_configs/), the engine
+config is built too (``AsyncEngineArgs.create_engine_config``, the model given as that folder,
+the tokenizer not loaded): vLLM's model-dependent checks (context length against the model's,
+heads against the tensor-parallel size, the architecture, hybrid detection) run, on the CPU
+platform (``VLLM_TARGET_DEVICE=cpu``), so its block size is the CPU's, not a GPU's.
 
 The parser is built the way vLLM's CLI builds it (vllm/entrypoints/cli/main.py: a top-level
 FlexibleArgumentParser with subcommands; ServeSubcommand.subparser_init adds every engine and
@@ -81,7 +88,31 @@ def parse(case: dict) -> dict:
         cls = KVConnectorFactory.get_connector_class(kv)
         out["connector_class"] = cls.__name__
         out["supports_hma"] = KVConnectorFactory.supports_hma_config(kv)
+    if case.get("config_dir"):
+        out.update(engine_config(ea, case["config_dir"]))
     return out
+
+
+def engine_config(ea: AsyncEngineArgs, config_dir: str) -> dict:
+    ea.model = ea.tokenizer = config_dir
+    ea.skip_tokenizer_init = True
+    # A reasoning parser reads the tokenizer's vocabulary (its think tokens), which only the hub
+    # has: the parser above checked its name, the engine config is built without it.
+    ea.reasoning_parser = ""
+    try:
+        cfg = ea.create_engine_config()
+    except Exception as exc:  # pydantic's ValidationError or vLLM's own ValueError
+        return {"engine_error": f"{type(exc).__name__}: {exc}"[:800]}
+    mc = cfg.model_config
+    return {
+        "engine": {
+            "architecture": mc.architecture,
+            "is_hybrid": mc.is_hybrid,
+            "max_model_len": mc.max_model_len,
+            "block_size": cfg.cache_config.block_size,
+            "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+        }
+    }
 
 
 def env_value_ok(name: str, value: str) -> str | None:
