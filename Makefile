@@ -40,13 +40,13 @@ tools: $(VENV)/.installed ## Install everything make test needs (idempotent; cac
 	@scripts/install-kube.sh
 	@echo "tools: $$($(PY) --version) in $(VENV), $$($(PY) -m pip freeze | wc -l) packages" >&2
 
-engines: ## Install the real engine stack (torch, LMCache, NIXL, each checked vLLM) into .tools/engine-stack (first run: ~7 GB, a few minutes)
+engines: ## Install the real engine stack (torch, LMCache, NIXL, each checked vLLM, vLLM's CPU build) into .tools/engine-stack (first run: ~8 GB, a few minutes)
 	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh
 
 kube: ## Build the control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok) into .tools/ (first run: ~20 minutes)
 	@scripts/install-kube.sh
 
-test: tools ## Run every test suite (chart, values, Argo CD, real engine stack, real control plane, router end to end)
+test: tools ## Run every test suite (chart, values, Argo CD, real engine stack, real vLLM serving, real control plane, router end to end)
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 lint: helm ## The checks users run in their CI (ci/check.sh), plus ruff

