@@ -20,11 +20,22 @@ from tests.real_engine import engines
 HERE = Path(__file__).resolve().parent
 
 
+# Modules that need the machine to themselves (no dense pair): run last, in this order, so the
+# dense pair starts once and stops once (Pairs).
+LAST = ("test_real_lmcache.py", "test_real_hybrid.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = []
     for item in items:
         if Path(str(item.fspath)).resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.real_vllm)
             item.add_marker(pytest.mark.xdist_group("real-vllm"))
+            ours.append(item)
+    rank = {name: i + 1 for i, name in enumerate(LAST)}
+    order = sorted(ours, key=lambda it: rank.get(Path(str(it.fspath)).name, 0))  # stable
+    slots = iter(order)
+    items[:] = [next(slots) if it in ours else it for it in items]
 
 
 @pytest.fixture(scope="session")
@@ -32,12 +43,50 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("real-vllm")
 
 
+class Pairs:
+    """At most one prefiller/decoder pair runs at a time: a pair takes the machine's two cores
+    (one each) and about 6 GB, and CI's other pytest worker runs control planes meanwhile (two
+    pairs at once left a 24 GB machine without memory)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.kind: str | None = None
+        self.pair: dict[str, engines.Engine] = {}
+
+    def get(self, kind: str) -> dict[str, engines.Engine]:
+        if self.kind != kind:
+            self.stop()
+            pair = [engines.engine("prefill", kind, 0, self.workdir), engines.engine("decode", kind, 1, self.workdir)]
+            try:
+                for e in pair:
+                    e.start()
+                engines.wait_ready(pair)
+            except BaseException:
+                for e in pair:
+                    e.stop()
+                raise
+            self.kind, self.pair = kind, {e.role: e for e in pair}
+        return self.pair
+
+    def stop(self) -> None:
+        for e in self.pair.values():
+            e.stop()
+        self.kind, self.pair = None, {}
+
+
 @pytest.fixture(scope="session")
-def pd(workdir: Path) -> Iterator[dict[str, engines.Engine]]:
+def pairs(workdir: Path) -> Iterator[Pairs]:
+    p = Pairs(workdir)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(pairs: Pairs) -> dict[str, engines.Engine]:
     """A dense-model prefiller (core 0) and decoder (core 1), as the dev environment renders them."""
-    pair = [engines.engine("prefill", "dense", 0, workdir), engines.engine("decode", "dense", 1, workdir)]
-    with engines.running(pair):
-        yield {e.role: e for e in pair}
+    return pairs.get("dense")
 
 
 def chart_router_config(render: str = engines.RENDER, sets: tuple[str, ...] = ()) -> dict:
@@ -93,7 +142,7 @@ def routers(workdir: Path) -> Iterator[Routers]:
         r.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def router(pd: dict[str, engines.Engine], routers: Routers) -> Proc:
     """The chart's dev router (NIXL route, threshold 512) in front of the dense pair."""
     return routers.start([pd["prefill"].url], [pd["decode"].url])

@@ -7,24 +7,19 @@ aligns a hybrid model's attention block with its Mamba state; cache_config_info 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
-from tests.real_engine.conftest import Routers
+from tests.real_engine.conftest import Pairs, Routers
 from tests.real_engine.prompts import LONG_WORDS, ask, colocated, text
 
 SOURCES = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
-def hybrid(workdir: Path) -> Iterator[dict[str, engines.Engine]]:
-    pair = [engines.engine("prefill", "hybrid", 0, workdir), engines.engine("decode", "hybrid", 1, workdir)]
-    with engines.running(pair):
-        yield {e.role: e for e in pair}
+def hybrid(pairs: Pairs) -> dict[str, engines.Engine]:
+    return pairs.get("hybrid")
 
 
 @pytest.fixture(scope="module")

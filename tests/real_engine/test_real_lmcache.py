@@ -15,11 +15,13 @@ from pathlib import Path
 import yaml
 
 from tests.real_engine import engines
+from tests.real_engine.conftest import Pairs
 
 RENDER = "scenario:lmcache"
 
 
-def test_lmcache_pd_does_not_run_on_vllms_cpu_build(workdir: Path, model_name: str) -> None:
+def test_lmcache_pd_does_not_run_on_vllms_cpu_build(workdir: Path, pairs: Pairs) -> None:
+    pairs.stop()  # one engine more would not fit beside a pair (conftest.Pairs)
     rendered = engines.chart_engine("decode", RENDER)
     cfg = yaml.safe_load(rendered.lmcache_yaml or "")
     assert cfg["enable_pd"] is True and cfg["pd_role"] == "receiver"
