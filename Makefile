@@ -5,11 +5,11 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := pip==25.3
 # A missing interpreter is named, with the way out, instead of make's "Error 127".
 NEED_PYTHON = command -v $(PYTHON) >/dev/null 2>&1 || { echo "venv: $(PYTHON) not found: install Python 3.11, or name one with make <target> PYTHON=/path/to/python3.11" >&2; exit 2; }
-# HELM4, HELM3 (paths) and their versions: pinned in scripts/tools.env only.
+# HELM4, HELM3 (paths) and their versions, PIP_VERSION: pinned in scripts/tools.env only.
 include scripts/tools.env
+PIP := pip==$(PIP_VERSION)
 HELM ?= $(HELM4)
 ENV ?= dev
 
@@ -28,10 +28,18 @@ $(VENV)/.installed: requirements-dev.txt $(wildcard router/pyproject.toml router
 	@echo "venv: $(VENV) ready" >&2
 	@touch $@
 
-helm: $(VENV)/.installed ## Install the virtualenv and Helm 4 and 3 only (what snapshot and docs need; render needs only Helm 4)
+helm: $(VENV)/.installed ## Install the virtualenv and Helm 4 and 3 only (what snapshot and docs need; render needs only Helm 4 and requirements-dev.txt)
 	@scripts/install-tools.sh helm
 
-helm4: $(VENV)/.installed
+# What ci/ needs to render and no more (make render): requirements-dev.txt, not the router and its
+# test extras; a full install (.installed) covers it too.
+$(VENV)/.ci: requirements-dev.txt
+	@if [ -f $(VENV)/.installed ] && [ $(VENV)/.installed -nt requirements-dev.txt ]; then touch $@; exit 0; fi; \
+	test -x $(PY) || { $(NEED_PYTHON); echo "venv: creating $(VENV) with $(PYTHON)" >&2; $(PYTHON) -m venv $(VENV); }; \
+	echo "venv: installing requirements-dev.txt into $(VENV)" >&2; \
+	$(PY) -m pip install --upgrade $(PIP) >&2 && $(PY) -m pip install -r requirements-dev.txt >&2 && touch $@
+
+helm4: $(VENV)/.ci
 	@scripts/install-tools.sh helm4
 
 tools: $(VENV)/.installed ## Install everything make test needs (idempotent; cached in .venv/ and .tools/): Helm, checkov, the engine stack, the control plane

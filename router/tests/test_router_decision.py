@@ -1,6 +1,6 @@
 """The decode-first decision end to end (issue 13): every reason reached by a real request
 through the router on simulated vLLM engines (NIXL hand-off), said in ``x-pd-reason`` and
-counted in ``pd_router_decisions_total``; two router replicas behaving as the README says."""
+counted in ``pd_router_decisions_total``; two router replicas behaving as docs/router.md says."""
 
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ def test_an_lmcache_answer_equals_the_direct_one(
 def test_a_stop_string_gives_the_same_stop_reason(sf: Surface, chat: bool, stream: bool) -> None:
     """A stop string: the same answer and ``stop_reason``. Streamed, the text is cut into
     chunks differently: vLLM holds back output that may start a stop string, and the
-    prefill leg, finished after its one token, holds back nothing (README)."""
+    prefill leg, finished after its one token, holds back nothing (docs/router.md)."""
     prompt = long_text(310)
     _, plain = _answer(sf.engine, chat, _body(chat, False, prompt))
     words = plain["choices"][0]["message"]["content"] if chat else plain["choices"][0]["text"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from ci import lib
 
-# The Pod Security level each environment's namespace needs (README "Pod Security"): the EFA
+# The Pod Security level each environment's namespace needs (docs/operating.md "Pod Security"): the EFA
 # engines add IPC_LOCK and prod caches weights on a hostPath, which only `privileged` allows; the
 # chart defaults (no EFA, emptyDir) run under `restricted`, router and all.
 POD_SECURITY = {"defaults": "restricted", "dev": "privileged", "staging": "privileged", "prod": "privileged"}

@@ -33,7 +33,7 @@ def admitted(cluster: ControlPlane, pod: dict[str, Any]) -> tuple[bool, str]:
 @pytest.mark.parametrize("env", ENVS)
 def test_pod_security_level_each_pod_needs(cluster: ControlPlane, pss_namespaces: dict[str, str], env: str) -> None:
     """The router (and the helm test pod) pass `restricted`; each engine needs exactly the level
-    the README states: admitted there, refused one level stricter (with the reason)."""
+    docs/operating.md states: admitted there, refused one level stricter (with the reason)."""
     needs: dict[str, str] = {}
     reasons: dict[str, str] = {}
     for doc in rendered.environment(env):

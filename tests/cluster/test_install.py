@@ -1,5 +1,5 @@
 """Every environment, with Helm 4 and Helm 3, installed into the real API server: admitted by Pod
-Security at the level the README states, scheduled onto the fake GPU fleet with every engine in
+Security at the level docs/operating.md states, scheduled onto the fake GPU fleet with every engine in
 one zone while the other zone had room, Ready, and its `helm test` pod created and scheduled."""
 
 from __future__ import annotations

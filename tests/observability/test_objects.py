@@ -40,14 +40,14 @@ def test_alerts_follow_the_connector_and_the_values(h4: Path) -> None:
     assert alert["expr"].endswith("> 0.8") and alert["labels"] == {"severity": "warning", "team": "inference"}
     for rule in nixl.values():
         assert f'namespace="{helm.NAMESPACE}",release="{helm.RELEASE}"' in rule["expr"], rule["alert"]
-        assert rule["annotations"]["runbook_url"].endswith("README.md#" + rule["alert"].lower())
+        assert rule["annotations"]["runbook_url"].endswith("docs/operating.md#" + rule["alert"].lower())
 
 
 def test_alert_runbooks_exist_in_the_readme(h4: Path) -> None:
-    readme = (helm.ROOT / "README.md").read_text()
+    readme = (helm.ROOT / "docs" / "operating.md").read_text()
     names = set(_alerts(helm.render(h4, values_yaml=ON))) | set(_alerts(helm.render(h4, (LMCACHE,), values_yaml=ON)))
     missing = [n for n in sorted(names) if f"\n#### {n}\n" not in readme]
-    assert not missing, f"README.md needs a runbook heading for {missing}"
+    assert not missing, f"docs/operating.md needs a runbook heading for {missing}"
 
 
 def test_the_servicemonitor_sends_the_metrics_token_only_when_metrics_are_protected(h4: Path) -> None:

@@ -84,11 +84,11 @@ def test_every_dashboard_selector_is_scoped_to_one_release(stacks: dict[str, Liv
 
 
 def adapter_queries(live: LiveStack) -> list[str]:
-    """What prometheus-adapter runs for the chart's HPA External metrics, with the rule the README
+    """What prometheus-adapter runs for the chart's HPA External metrics, with the rule docs/operating.md
     gives (its metricsQuery template expanded as the adapter does)."""
-    readme = (helm.ROOT / "README.md").read_text()
+    readme = (helm.ROOT / "docs" / "operating.md").read_text()
     block = re.search(r"```yaml\n# prometheus-adapter values: rules.external\n(.*?)```", readme, re.S)
-    assert block, "README.md: the prometheus-adapter rule block"
+    assert block, "docs/operating.md: the prometheus-adapter rule block"
     (rule,) = yaml.safe_load(block.group(1))
     out = []
     for hpa in helm.find(live.docs, "HorizontalPodAutoscaler"):

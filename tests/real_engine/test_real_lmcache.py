@@ -1,5 +1,5 @@
 """LMCache 0.5.6's PD mode on vLLM's CPU build: it cannot run there, and this test keeps that
-statement (README, "Testing") true. A decoder started with the chart's own LMCache render
+statement (README, "Status"; docs/testing.md) true. A decoder started with the chart's own LMCache render
 (tests/values/lmcache.yaml; the buffer in host memory, the receiver on loopback) serves, but
 LMCache's engine fails to build: ``CreateGPUConnector`` (lmcache/v1/gpu_connector/__init__.py)
 knows no connector for torch's ``cpu`` device, and LMCache runs "in degraded mode (recompute)",

@@ -1,5 +1,6 @@
 """``make demo``: one simulated prefill engine, one simulated decode engine and the router on
-loopback; a short and a long chat request through the official ``openai`` client.
+loopback; three chat requests through the official ``openai`` client: a short one, a long one
+and the long one's next turn (served by the decoder that holds it).
 
 The router is configured from ``demo-config.yaml`` through the same loader as the chart's
 ConfigMap; the engines' ports (and ``--port``/``--model``) are filled in with ``PD_ROUTER__*``

@@ -1,8 +1,10 @@
 """vLLM NixlConnector hand-off (stateless): prefill with ``do_remote_decode``, then send the
 decoder the original request with the ``kv_transfer_params`` the prefiller returned.
 
-Checked against vLLM v0.11 ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` and
-``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py``: the prefill request is
+First written against vLLM v0.11 ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``
+and ``nixl_connector.py``; run against vLLM 0.31.0 itself (its CPU build, tests/real_engine/,
+answers equal to colocated token for token) and checked with 0.31.0's and 0.33.0's request
+models (tests/engines/test_engine_vllm_requests.py): the prefill request is
 the original with ``stream: false``, ``max_tokens: 1`` (and ``max_completion_tokens: 1``),
 ``stream_options`` removed; its response carries top-level ``kv_transfer_params``
 (``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
