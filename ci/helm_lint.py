@@ -1,5 +1,6 @@
 """`helm lint --strict` of the chart with each environment's value files (the catalog,
 argocd/environments/), against the oldest supported Kubernetes (Chart.yaml kubeVersion).
+chart-testing's `ct lint` lints per values file in `ci/`, not per environment layering.
 
     python -m ci.helm_lint [--helm PATH] [--kube-version X.Y.Z]
 """

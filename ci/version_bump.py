@@ -1,5 +1,6 @@
 """Chart version bump check: when the chart's templates/, values.yaml or values.schema.json differ
-from the base, Chart.yaml's `version` must differ too (and be higher).
+from the base, Chart.yaml's `version` must differ too (and be higher). chart-testing's `ct lint`
+does this too, but wants a git remote and its own Python tools; this is 100 lines over `git`.
 
 The base is, in order: $BASE_REF (CI sets it to the pull request's target, e.g. origin/main);
 origin/main when it is not the checked-out commit; the newest release tag (`v<chart version>`,

@@ -5,6 +5,7 @@
 # The full dependency set is pinned in ci/checkov-requirements.txt (regenerate: see that file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/tools.env  # PIP_VERSION
 exec 1>&2
 PYTHON=${PYTHON:-python3.11}
 VENV=.tools/checkov-venv
@@ -17,7 +18,7 @@ fi
 echo "install-checkov: installing $(grep -m1 '^checkov==' "$REQ") into $VENV (first run only, about a minute)"
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip==25.3
+"$VENV/bin/python" -m pip install --quiet --upgrade "pip==$PIP_VERSION"
 "$VENV/bin/python" -m pip install --quiet --no-deps -r "$REQ"
 "$VENV/bin/python" -m pip check >/dev/null
 echo "$want" > "$stamp"

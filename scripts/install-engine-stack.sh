@@ -11,6 +11,7 @@
 # (mostly torch's CUDA libraries); later runs compare a stamp and return at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/tools.env  # PIP_VERSION
 exec 1>&2
 PYTHON=${PYTHON:-python3.11}
 PINS=scripts/engine-stack
@@ -27,7 +28,7 @@ rm -rf "$STACK"
 mkdir -p "$STACK"
 "$PYTHON" -m venv "$STACK/venv"
 pip=("$STACK/venv/bin/python" -m pip)
-"${pip[@]}" install --quiet --upgrade pip==25.3
+"${pip[@]}" install --quiet --upgrade "pip==$PIP_VERSION"
 # --no-deps: the lock is complete by construction; LMCache's GPU-only requirements stay out.
 "${pip[@]}" install --no-deps --progress-bar off -r "$PINS/base.txt" | grep -E '^(Collecting|Successfully)' | sed 's/^/install-engine-stack:   /'
 for pins in "$PINS"/vllm-*.txt; do

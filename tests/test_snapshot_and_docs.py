@@ -20,7 +20,7 @@ def test_default_render_matches_snapshot() -> None:
 
 def test_schema_and_readme_are_generated_from_values_yaml() -> None:
     proc = subprocess.run(
-        [sys.executable, "ci/chartdoc.py", "--check"], cwd=helm.ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ci.chartdoc", "--check"], cwd=helm.ROOT, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
 

@@ -479,8 +479,6 @@ class Router:
         out.counted(d.source, d.tokens)
         if d.reason == "batch":
             out.batch(batch_reason(ctx.body, ctx.chat) or "n")
-        if d.exact:
-            ctx.ntok = d.tokens or 0
         ctx.ptok = d.tokens or 0
         ctx.ids = d.ids
         ctx.reason = d.reason

@@ -12,7 +12,14 @@ import sys
 from collections.abc import Callable
 
 from pd_router import __version__
-from pd_router.config import ConfigError, RouterConfig, load_config, to_dict
+from pd_router.config import (
+    NOTIFY_PORT,
+    SIDECAR_PORT,
+    ConfigError,
+    RouterConfig,
+    load_config,
+    to_dict,
+)
 
 
 def _load(path: str) -> RouterConfig:
@@ -161,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         "prefillSidecar)",
     )
     n.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
-    n.add_argument("--port", type=int, default=7600, help="HTTP port (= lmcache.sidecarPort)")
+    n.add_argument(
+        "--port", type=int, default=SIDECAR_PORT, help="HTTP port (= lmcache.sidecarPort)"
+    )
     n.add_argument(
         "--zmq-bind",
-        default="tcp://127.0.0.1:7500",
+        default=f"tcp://127.0.0.1:{NOTIFY_PORT}",
         help="ZMQ PULL endpoint the prefiller's LMCache PUSHes ProxyNotif to "
         "(pd_proxy_host 127.0.0.1, pd_proxy_port = this port)",
     )
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(cfg.logging.level)
     _fast_loop()
     # Fewer young-generation collections: requests allocate many short-lived objects and
-    # keep almost none (measured: ~7 % less CPU per request; README "HTTP stack").
+    # keep almost none (measured: ~7 % less CPU per request; docs/benchmarks.md "HTTP stack").
     gc.freeze()
     gc.set_threshold(20000, 50, 100)
     from pd_router.workers import supervise, worker_count

@@ -6,6 +6,10 @@ YAML keys are camelCase (as in the chart); attributes are the snake_case equival
 
 Env overrides: ``PD_ROUTER__<SECTION>__<FIELD>[__<FIELD>...]=value`` (case-insensitive path
 parts), the value parsed as a YAML scalar/flow value and validated like the file.
+
+Hand-written rather than msgspec's typed decoding (already a dependency): msgspec would replace
+only the type walk, not the env overrides by path, the camelCase names in errors or the
+cross-field rules below, and it reports ``$.routing.threshold`` where users wrote YAML.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 ENV_PREFIX = "PD_ROUTER__"
+# The LMCache notification ports' defaults (the chart's ports.proxyNotification and
+# ports.notificationSidecar), one home for the config, the CLI and the sidecar.
+NOTIFY_PORT = 7500
+SIDECAR_PORT = 7600
 # An HTTP header name (RFC 9110 token); the chart's schema takes it from here (ci/chartdoc.py).
 HEADER_NAME_RE = r"[A-Za-z0-9!#$%&'*+.^_`|~-]+"
 MIN_MAX_BODY_BYTES = 1024
@@ -88,7 +96,7 @@ class PrefillBusy:
 
     # prompt tokens in flight on every healthy prefiller at or above which it counts as busy;
     # 0 = never bypass the prefill pool. 65536: seconds of queued prefill, measured in
-    # router/README.md "Decode-first decision" (lower trades decode ITL for long-prompt TTFT)
+    # docs/router.md "Decode-first decision" (lower trades decode ITL for long-prompt TTFT)
     queued_tokens: int = 65536
     # ... and only if the chosen decoder has fewer requests in flight than this
     max_decoder_requests: int = 32
@@ -137,7 +145,7 @@ class Pools:
 @dataclass(frozen=True)
 class LMCache:
     notify_bind_host: str = "0.0.0.0"
-    notify_port: int = 7500
+    notify_port: int = NOTIFY_PORT
     notifications_per_request: int = 1
     decoder_init_ports: list[int] = field(default_factory=lambda: [7300])
     decoder_alloc_ports: list[int] = field(default_factory=lambda: [7400])
@@ -146,7 +154,7 @@ class LMCache:
     # prefillSidecar: a `pd-router notify-sidecar` next to every prefiller receives them and the
     # router asks the one of the prefill pod it used (router replicas scale).
     notification_receiver: Literal["router", "prefillSidecar"] = "router"
-    sidecar_port: int = 7600
+    sidecar_port: int = SIDECAR_PORT
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Fetch the model's ``tokenizer.json`` from a Hugging Face-compatible hub once at start-up
-(``model.tokenizerHub``).
+(``model.tokenizerHub``). Not ``huggingface_hub`` (not in the router image; ``tokenizers``'
+``from_pretrained`` needs it): one bounded async GET on the router's own event loop, with the
+timeouts and the outcomes below, is all the router needs.
 
 Hub contract (huggingface_hub's ``HUGGINGFACE_CO_URL_TEMPLATE``, whose endpoint is what
 ``HF_ENDPOINT`` sets): ``GET {endpoint}/{repo}/resolve/{revision}/tokenizer.json`` with the

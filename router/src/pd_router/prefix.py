@@ -6,7 +6,8 @@ sent there, in a bounded LRU (``routing.prefixCache.capacityTokens`` per decoder
 the decoder says its cache holds less). Nothing is learnt from the engines but their cache's
 shape (pd_router.cache_info), so it is right as long as the router's picture of what a decoder
 was sent is: a decoder's own evictions, the answers it generated and cached, requests from
-other router replicas or worker processes are unknown to it (README, "Decode-first decision").
+other router replicas or worker processes are unknown to it (docs/router.md, "Decode-first
+decision").
 A decoder that became healthy again (it may have restarted) starts with an empty picture.
 
 What the engine's prompt starts with (:func:`identity`): vLLM renders the chat template over

@@ -33,7 +33,6 @@ class Ctx:
         "decoder",
         "headers",
         "ids",
-        "ntok",
         "path",
         "ptok",
         "raw",
@@ -60,7 +59,6 @@ class Ctx:
         self.raw = b""  # the body as it goes to an engine unchanged
         self.body: dict[str, Any] = {}
         self.stream = False
-        self.ntok = 0  # prompt tokens when counted exactly (tokens, tokenizer, /tokenize)
         self.ptok = 0  # prompt tokens as the decision saw them, exact or estimated; 0: uncounted
         self.ids: list[int] | None = None  # prompt token ids when known (reused by LMCache)
 

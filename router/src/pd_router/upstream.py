@@ -1,6 +1,6 @@
 """Lean pooled HTTP/1.1 client for the hot path (router -> engine requests).
 
-Why not aiohttp's client here: measured on 2 cores (README "HTTP stack"), aiohttp's
+Why not aiohttp's client here: measured on 2 cores (docs/benchmarks.md "HTTP stack"), aiohttp's
 ``ClientSession.post`` costs about as much CPU as the rest of a proxied request together
 (cookies, redirects, tracing, URL and header objects). This client does only what an engine
 call needs: keep-alive connection pool per endpoint, one ``write`` per request, response

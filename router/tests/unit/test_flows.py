@@ -134,7 +134,6 @@ def test_nixl_prefills_then_hands_the_params_to_the_decoder() -> None:
     w.up.on(P1, "/v1/completions", FakeResponse(200, completion("a", kv_transfer_params=KVP)))
     w.up.on(D1, "/v1/completions", FakeResponse(200, completion("abc")))
     c = ctx({"prompt": "long", "max_tokens": 9, "stream_options": {"include_usage": True}})
-    c.ntok = 4000
     down = FakeDownstream()
     run(nixl(w).serve(c, down))
     (_, pre), (_, dec) = w.up.calls_to("/v1/completions")

@@ -31,7 +31,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from pd_router.config import SIDECAR_MAX_COUNT, SIDECAR_MAX_TIMEOUT
+from pd_router.config import NOTIFY_PORT, SIDECAR_MAX_COUNT, SIDECAR_MAX_TIMEOUT, SIDECAR_PORT
 from pd_router.handoff.lmcache_wire import receive_notifications
 from pd_router.http_server import AppRunner, serve
 
@@ -44,8 +44,8 @@ log = logging.getLogger("pd_router.handoff.lmcache_sidecar")
 @dataclass
 class SidecarOptions:
     host: str = "0.0.0.0"
-    port: int = 7600
-    zmq_bind: str = "tcp://127.0.0.1:7500"
+    port: int = SIDECAR_PORT
+    zmq_bind: str = f"tcp://127.0.0.1:{NOTIFY_PORT}"
     ttl_seconds: float = 120.0
     max_pending: int = 100000
 
