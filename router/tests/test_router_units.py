@@ -103,6 +103,7 @@ def test_validate(body: object, chat: bool, ok: bool) -> None:
 def test_preset_label_values_are_the_ones_the_router_records() -> None:
     """metrics.py creates these children at 0 at start-up; a value the router records but the preset
     lacks would be born at 1, an increase rate() and the chart's alerts never see."""
+    import ast
     import re
     from pathlib import Path
 
@@ -110,15 +111,21 @@ def test_preset_label_values_are_the_ones_the_router_records() -> None:
 
     pkg = Path(metrics.__file__).parent
     src = "\n".join(f.read_text() for f in sorted(pkg.rglob("*.py")))
-    reasons = set(re.findall(r'fallback\(ctx, down, "(\w+)"\)', src))
-    reasons |= set(re.findall(r'\.fallback\(ctx, "(\w+)"\)', src))
-    # LMCacheRoute._plan answers a fallback reason as a string
-    plan = (pkg / "handoff" / "lmcache.py").read_text().split("async def _plan", 1)[1]
-    plan = plan.split("\n    async def ", 1)[0]
-    reasons |= set(re.findall(r'return "(\w+)"', plan)) - {"no_decoder"}
-    reasons |= set(re.findall(r'return "(prefill_\w+)" if', src)) | {"prefill_error"}
-    assert {"unsupported_fields", "too_long", "decode_retry", "notify_timeout"} <= reasons
+    # every reason the runtime names: Fallback("x") raised, outcomes.fallback(ctx, "x") relabelled
+    reasons = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[-1], ast.Constant):
+            f = node.func
+            name = getattr(f, "id", None) or getattr(f, "attr", "")
+            if name in ("Fallback", "fallback"):
+                reasons.add(node.args[-1].value)
+    named = {"unsupported_fields", "too_long", "decode_retry", "notify_timeout", "prefill_refused"}
+    assert named <= reasons
     assert reasons <= set(metrics.FALLBACK_REASONS), reasons - set(metrics.FALLBACK_REASONS)
+    assert set(metrics.CLIENT_CAUSED) <= set(metrics.FALLBACK_REASONS)
+    preset = metrics.Metrics().render().decode()
+    for reason in metrics.FALLBACK_REASONS:  # the typed list is what metrics.py presets
+        assert f'pd_router_fallbacks_total{{reason="{reason}"}} 0.0' in preset, reason
     assert set(re.findall(r'rejected\.labels\("(\w+)"\)', src)) == set(metrics.REJECT_REASONS)
     decide_src = (pkg / "decide.py").read_text()
     decided = set(re.findall(r'reason, disagg = "(\w+)"', decide_src))

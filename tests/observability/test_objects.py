@@ -63,3 +63,18 @@ def test_the_servicemonitor_sends_the_metrics_token_only_when_metrics_are_protec
     pod = helm.one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
     (vol,) = [v for v in pod["volumes"] if v["name"] == "metrics-token"]
     assert vol["secret"] == {"secretName": "scrape", "items": [{"key": "t", "path": "t"}]}
+
+
+def test_the_fallback_alert_leaves_out_exactly_the_routers_request_caused_reasons(h4: Path) -> None:
+    """PDInferenceFallbackShareHigh counts broken hand-offs, not requests the hand-off cannot
+    carry: its exclusion list is the router's CLIENT_CAUSED (pd_router.metrics)."""
+    import re
+
+    from pd_router import metrics
+
+    on = ("prometheusRule", "serviceMonitor", "podMonitor")
+    docs = helm.render(h4, sets=(*(f"metrics.{o}.enabled=true" for o in on), "crds.assumeInstalled=true"))
+    rules = [r for g in helm.one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    (expr,) = [r["expr"] for r in rules if r["alert"] == "PDInferenceFallbackShareHigh"]
+    (excluded,) = re.findall(r'reason!~"([^"]+)"', expr)
+    assert sorted(excluded.split("|")) == sorted(metrics.CLIENT_CAUSED)

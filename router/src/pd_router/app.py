@@ -6,8 +6,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 (``openai_wire.PASSTHROUGH_PATHS``), ``GET /health`` (alive), ``GET /ready`` (a healthy decoder
 exists), ``GET /metrics``; a known path asked with another method is 405 with ``Allow``.
 
-A request's walk: ``app`` (admit -> read -> parse/validate) -> ``decide`` -> ``handoff.<route>``
--> ``legs`` -> ``upstream``; each module entered once, downward.
+A request's walk: ``app`` (admit -> read -> parse/validate) -> ``decide`` -> ``handoff.run``
+(the chosen route; a Fallback it raises served directly) -> ``legs`` -> ``upstream``; each
+module entered once, downward. The app knows no hand-off protocol, and it alone finishes a
+request: ``Outcomes.finish`` counts, times and the access line logs it, however it ended.
 """
 
 from __future__ import annotations
@@ -34,9 +36,7 @@ from pd_router.config import RouterConfig
 from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
-from pd_router.handoff import DirectRoute, Route, build_route
-from pd_router.handoff.lmcache import LMCacheRoute
-from pd_router.handoff.lmcache_notify import KvWaiter, build_waiter
+from pd_router.handoff import DirectRoute, Route, build_route, run
 from pd_router.legs import Downstream, Legs
 from pd_router.logs import AccessLog
 from pd_router.metrics import MULTIPROC_ENV, Metrics
@@ -103,15 +103,9 @@ class Router:
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, cfg.model.served_name
         )
         self.decider = Decider(cfg.routing, self.counter)
-        # The hand-off is chosen once, here (routing.connector).
-        self.waiter: KvWaiter | None = None
-        if cfg.routing.connector == "lmcache":
-            m.preset_lmcache(cfg.lmcache.notification_receiver)
-            self.waiter = build_waiter(cfg.lmcache, self.up, m)
+        # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)
-        self.disaggregated: Route = build_route(cfg, self.legs, self.direct, self.waiter)
-        if isinstance(self.disaggregated, LMCacheRoute):
-            self.disaggregated.reasoning = bool(cfg.model.reasoning_parser)
+        self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
         self.affinity_header = cfg.routing.session_affinity_header or None
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
@@ -142,8 +136,7 @@ class Router:
             await self._load_hub_tokenizer()
         for src in ("file", "hub"):
             m.tokenizer_loaded.labels(src).set(1 if self.counter.source == src else 0)
-        if self.waiter is not None:  # first: a notification port already taken stops start-up
-            await self.waiter.start()
+        await self.disaggregated.start()  # first: a port it binds, already taken, stops start-up
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=None
         )
@@ -185,8 +178,7 @@ class Router:
             t.cancel()
         await self.prefill.stop()
         await self.decode.stop()
-        if self.waiter is not None:
-            await self.waiter.stop()
+        await self.disaggregated.stop()
         self.counter.close()
         self.up.close()
         if self.session is not None:
@@ -351,7 +343,8 @@ class Router:
             self.outcomes.disconnect(ctx)
             status = 499
             raise
-        finally:
+        finally:  # the one place a request is counted, timed and logged, however it ended
+            self.outcomes.finish(ctx)
             if self.access_log.enabled:
                 duration_ms = round((time.perf_counter() - ctx.t0) * 1000, 2)
                 self.access_log.write(rid, ctx.route, ctx.reason, status, ctx.path, duration_ms)
@@ -364,15 +357,15 @@ class Router:
         maxInFlight."""
         out = self.outcomes
         if not self._authorized(request):
-            out.count("none", "unauthorized")
+            out.refused(ctx, "unauthorized")
             return error_response(401, "invalid or missing API key", "authentication_error")
-        raw = await self._read_body(request)
+        raw = await self._read_body(request, ctx)
         if isinstance(raw, web.Response):
             return raw
         try:
             await self.admission.acquire()
         except Reject as r:
-            out.count("none", "rejected")
+            out.refused(ctx, "rejected")
             return error_response(r.status, r.message, r.etype, {"Retry-After": r.retry_after})
         try:
             if passthrough:
@@ -381,7 +374,7 @@ class Router:
             else:
                 bad = self._parse(request, ctx, raw)
             if bad is not None:
-                out.count("none", "bad_request")
+                out.refused(ctx, "bad_request")
                 return bad
             if passthrough:
                 self.metrics.passthrough.labels(ctx.path).inc()
@@ -390,16 +383,16 @@ class Router:
         finally:
             self.admission.release()
 
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+    async def _read_body(self, request: web.Request, ctx: Ctx) -> bytes | web.Response:
         lim = self.cfg.limits
-        count = self.outcomes.count
+        refused = self.outcomes.refused
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):  # vLLM does not decode request bodies either
-            count("none", "bad_request")
+            refused(ctx, "bad_request")
             msg = f"Content-Encoding {encoding[:40]!r} is not supported; send the body uncompressed"
             return error_response(415, msg, "invalid_request_error")
         if request.content_length is not None and request.content_length > lim.max_body_bytes:
-            count("none", "too_large")
+            refused(ctx, "too_large")
             return error_response(413, "request body too large", "invalid_request_error")
         try:
             if request.content.is_eof():  # arrived with the head (most bodies): no deadline
@@ -407,14 +400,14 @@ class Router:
             async with asyncio.timeout(self.cfg.timeouts.client_body_seconds):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            count("none", "too_large")
+            refused(ctx, "too_large")
             return error_response(413, "request body too large", "invalid_request_error")
         except TimeoutError:
-            count("none", "body_timeout")
+            refused(ctx, "body_timeout")
             msg = "the request body did not arrive within timeouts.clientBodySeconds"
             return error_response(408, msg, "invalid_request_error")
         except (HttpProcessingError, RequestPayloadError) as exc:  # a broken chunked body, etc.
-            count("none", "bad_request")
+            refused(ctx, "bad_request")
             # the parser's first line only: the rest quotes the body (a prompt)
             why = str(getattr(exc, "message", "") or exc).split("\n", 1)[0].rstrip(":")
             msg = f"unreadable request body: {why}"
@@ -488,10 +481,8 @@ class Router:
             # what it will hold once this prompt is prefilled there (or its KV lands there)
             decider.remember(d.decoder, d.blocks, self.decode.endpoints.values())
         route = self.disaggregated if d.disaggregate else self.direct
-        try:
-            return await route.serve(ctx, Downstream(request))
-        finally:
-            out.decided(ctx)
+        ctx.decided = True
+        return await run(route, self.direct, ctx, Downstream(request))
 
     async def _engine_count(self, ctx: Ctx, body: dict[str, Any], chat: bool) -> list[int]:
         """The decision's exact count when no local tokenizer exists: an engine's /tokenize."""

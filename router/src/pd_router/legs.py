@@ -31,7 +31,7 @@ from pd_router.openai_wire import (
     stream_opening,
     tokenize_request,
 )
-from pd_router.request import Ctx, Outcomes
+from pd_router.request import Ctx, Fallback, Outcomes
 from pd_router.upstream import Response, UpstreamClient
 
 log = logging.getLogger("pd_router")
@@ -242,11 +242,23 @@ class Legs:
 
     # ------------------------------------------------------------------ prefillers
     async def prefill(
-        self, ctx: Ctx, ep: Endpoint, path: str, body: dict[str, Any], ntok: int
-    ) -> tuple[int, Any, bytes]:
-        """A non-streaming prefill request: (200, parsed JSON, raw) or an engine 4xx as
-        (status, None, raw). Anything else raises :class:`LegError` (connect, timeout, 5xx,
-        bad_response). The prefiller's load counts ``ntok`` prompt tokens meanwhile."""
+        self,
+        ctx: Ctx,
+        ep: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        ntok: int,
+        *,
+        report_success: bool = True,
+    ) -> Any:
+        """A non-streaming prefill request: its parsed JSON answer. The prefiller's load counts
+        ``ntok`` prompt tokens meanwhile, and this leg reports its health: a failure (connect,
+        timeout, 5xx, an unreadable answer) counts against it and is a :class:`Fallback`
+        (``prefill_error`` / ``prefill_timeout``); a 4xx refused the leg's body, not the
+        client's (one output token, no stream, the hand-off fields: vLLM's message would speak
+        of a request the client never sent), so a decoder answers the client's own
+        (``prefill_refused``). ``report_success``: off where the hand-off has more to prove
+        (LMCache: its notification)."""
         lease = Lease(ep, ntok)
         ps = self.t.prefill_seconds
         try:
@@ -264,24 +276,25 @@ class Legs:
             )
             raw = await r.read_release()
         except UPSTREAM_ERRORS as exc:
-            raise LegError.of(exc) from None
+            raise self.prefill_broken(ep, LegError.of(exc)) from None
         status = r.status
         if 400 <= status < 500:
-            return status, None, raw
-        if status >= 500:
-            raise LegError("5xx", status, raw)
+            raise Fallback("prefill_refused")
         if status != 200:
-            raise LegError("bad_response", 502)
+            raise self.prefill_broken(ep, LegError("5xx" if status >= 500 else "bad_response", 502))
         try:
-            return status, orjson.loads(raw), raw
+            answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise LegError("bad_response", 502) from None
+            raise self.prefill_broken(ep, LegError("bad_response", 502)) from None
+        if report_success:
+            self.prefill_pool.report_success(ep)
+        return answer
 
-    def prefill_failed(self, ep: Endpoint, err: LegError) -> str:
-        """Count a failed prefill leg against its prefiller; the fallback reason."""
+    def prefill_broken(self, ep: Endpoint, err: LegError) -> Fallback:
+        """Count a broken prefill leg against its prefiller; the fallback to raise."""
         self.outcomes.upstream("prefill", err.kind)
         self.prefill_pool.report_failure(ep)
-        return "prefill_timeout" if err.kind == "timeout" else "prefill_error"
+        return Fallback("prefill_timeout" if err.kind == "timeout" else "prefill_error")
 
     # ------------------------------------------------------------------ /tokenize
     async def tokenize(self, ctx: Ctx, ep: Endpoint, body: dict[str, Any], chat: bool) -> list[int]:
@@ -314,7 +327,7 @@ class Legs:
     # ------------------------------------------------------------------ to the client
     def fail(self, ctx: Ctx, down: Downstream, err: LegError) -> web.StreamResponse:
         """The answer when no engine could serve: the engine's own JSON 5xx if it sent one."""
-        self.outcomes.count(ctx.route, "upstream_error")
+        self.outcomes.failed(ctx)
         hdrs = ctx.reply_headers()
         if err.body is not None and err.ctype.startswith(JSON):
             return down.reply(err.status, err.body, hdrs, JSON)
@@ -367,9 +380,7 @@ class Legs:
             self.outcomes.upstream("decode", err.kind)
             self.decode_pool.report_failure(ep)
             return self.fail(ctx, down, err)
-        if resp.status == 200:
-            self.outcomes.answered(ctx)
-        self.outcomes.count(ctx.route, "ok" if resp.status < 400 else "client_error")
+        self.outcomes.answered(ctx, "ok" if resp.status < 400 else "client_error")
         return down.reply(resp.status, data, hdrs)
 
     async def pump(
@@ -383,9 +394,9 @@ class Legs:
         """Forward a decoder's SSE body to the open stream as it arrives: bytes as they are,
         or through ``relabel(chunk) -> bytes``. Owns ``resp`` (and so its lease)."""
         out = self.outcomes
-        ttft_h, itl_h, _ = out.hist(ctx.route)
+        itl_h = out.hist(ctx.route)[1]
         ok = False
-        last = time.perf_counter() if ctx.ttft_done else 0.0
+        last = ctx.t_first
         loop = asyncio.get_running_loop()
         stall = self.stall
         # The guard is moved on at most every `slack` seconds, not per chunk (a timer heap
@@ -404,7 +415,7 @@ class Legs:
                         if last:
                             itl_h.observe(now - last)
                         else:
-                            ttft_h.observe(now - ctx.t0)
+                            ctx.t_first = now
                         last = now
                         data = chunk if relabel is None else relabel(chunk)
                         if data:
@@ -424,11 +435,10 @@ class Legs:
                 out.upstream("decode", "stream")
                 self.decode_pool.report_failure(ep)
                 await down.stream_error("upstream stream failed")
-                out.count(ctx.route, "upstream_error")
+                out.failed(ctx)
                 ok = True
                 return down.response
             out.finished(ctx)
-            out.count(ctx.route, "ok")
             ok = True
             return down.response
         finally:

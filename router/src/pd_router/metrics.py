@@ -10,6 +10,7 @@ its workers' values combine).
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -32,10 +33,18 @@ ROUTES_OUTCOMES = (
     ("fallback", "ok"),
     ("none", "rejected"),
 )
-FALLBACK_REASONS = (
+# Why a request meant for the hand-off was served by one decoder (pd_router_fallbacks_total,
+# x-pd-reason): the one list, typed, that the routes raise (request.Fallback) and tests iterate.
+FallbackReason = Literal[
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
     "reasoning_parser", "prefill_refused",
+]  # fmt: skip
+FALLBACK_REASONS: tuple[FallbackReason, ...] = get_args(FallbackReason)
+# ... of which the request is the cause, not a broken hand-off (the chart's
+# PDInferenceFallbackShareHigh leaves these out; tests/observability checks the two agree)
+CLIENT_CAUSED: tuple[FallbackReason, ...] = (
+    "unsupported_fields", "unknown_max_tokens", "too_long", "reasoning_parser", "prefill_refused",
 )  # fmt: skip
 REJECT_REASONS = ("queue_full", "queue_timeout")
 # pd_router_decisions_total{route, reason}: what pd_router.decide returns (a fallback is counted

@@ -1,9 +1,16 @@
-"""One request's context (:class:`Ctx`) and how its outcome is counted (:class:`Outcomes`).
+"""One request's context (:class:`Ctx`), how its routes end (:class:`Fallback`), and how its
+outcome is counted (:class:`Outcomes`).
 
 The route labels of every per-request metric live here: ``direct`` (short prompt, one
 decoder), ``disaggregated`` (prefill then decode) and ``fallback`` (meant to be disaggregated,
 served by one decoder because the hand-off could not be used; the reason is counted in
 ``pd_router_fallbacks_total``).
+
+A request is counted once, where it ends (:meth:`Outcomes.finish`, called by the app for every
+request whatever happened): the routes and legs only say how it went on its :class:`Ctx`
+(``outcome``, when its first token and its end reached the client), so no exit path counts,
+times or logs by hand. Per-token inter-token latency is the one measurement taken on the way
+(the stream pump's), since a stream's tokens are not kept.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import time
 from typing import Any
 
 from pd_router.discovery import Endpoint
-from pd_router.metrics import Metrics
+from pd_router.metrics import FALLBACK_REASONS, FallbackReason, Metrics
 
 DIRECT = "direct"
 DISAGG = "disaggregated"
@@ -20,6 +27,19 @@ FALLBACK = "fallback"
 ROUTES = (DIRECT, DISAGG, FALLBACK)
 # How the prompt was counted (pd_router_token_count_source_total); see pd_router.decide.
 COUNT_SOURCES = ("skipped", "tokens", "bound", "sampled", "tokenizer", "engine", "estimate")
+
+
+class Fallback(Exception):
+    """A hand-off that cannot serve this request says so by raising this before anything
+    reached the client; it is then served by one decoder, its reason counted
+    (pd_router.handoff.run)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: FallbackReason) -> None:
+        assert reason in FALLBACK_REASONS, reason
+        super().__init__(reason)
+        self.reason: FallbackReason = reason
 
 
 class Ctx:
@@ -30,9 +50,11 @@ class Ctx:
         "affinity",
         "body",
         "chat",
+        "decided",
         "decoder",
         "headers",
         "ids",
+        "outcome",
         "path",
         "ptok",
         "raw",
@@ -41,7 +63,8 @@ class Ctx:
         "route",
         "stream",
         "t0",
-        "ttft_done",
+        "t_end",
+        "t_first",
     )
 
     def __init__(self, rid: str, chat: bool, path: str) -> None:
@@ -55,7 +78,12 @@ class Ctx:
         self.reason = ""  # why it went there: decide.REASONS, or the fallback's reason
         self.decoder: Endpoint | None = None  # the decision's decoder (legs prefer it)
         self.t0 = time.perf_counter()
-        self.ttft_done = False
+        # how it went, counted once by Outcomes.finish: the pd_router_requests_total outcome
+        # ("" until known), when the first token and the end reached the client (0: not yet)
+        self.outcome = ""
+        self.t_first = 0.0
+        self.t_end = 0.0
+        self.decided = False  # the routing decision was taken (pd_router_decisions_total)
         self.raw = b""  # the body as it goes to an engine unchanged
         self.body: dict[str, Any] = {}
         self.stream = False
@@ -67,7 +95,9 @@ class Ctx:
 
 
 class Outcomes:
-    """Counting of requests and their legs, with the labelled children resolved once."""
+    """How requests went: set on each request's :class:`Ctx` by the routes and legs, counted by
+    :meth:`finish`; the counters of events inside a request (upstream errors, retries,
+    fallbacks, hand-off waits) are counted as they happen."""
 
     def __init__(self, metrics: Metrics) -> None:
         m = self.metrics = metrics
@@ -76,38 +106,64 @@ class Outcomes:
         self._sources = {s: m.token_count_source.labels(s) for s in COUNT_SOURCES}
         self._wait = {c: m.handoff_wait.labels(c) for c in ("nixl", "lmcache")}
 
-    def count(self, route: str, outcome: str) -> None:
-        c = self._requests.get((route, outcome))
-        if c is None:
-            c = self._requests[(route, outcome)] = self.metrics.requests.labels(route, outcome)
-        c.inc()
+    # ------------------------------------------------------------------ how it ended
+    def answered(self, ctx: Ctx, outcome: str = "ok") -> None:
+        """A whole (non-streamed) answer: its first token and its end arrive together."""
+        ctx.outcome = outcome
+        if outcome == "ok":
+            ctx.t_first = ctx.t_end = time.perf_counter()
 
+    def first_token(self, ctx: Ctx) -> None:
+        """A stream's first token reached the client."""
+        ctx.t_first = time.perf_counter()
+
+    def finished(self, ctx: Ctx) -> None:
+        """A stream ended well."""
+        ctx.outcome = "ok"
+        ctx.t_end = time.perf_counter()
+
+    def failed(self, ctx: Ctx, outcome: str = "upstream_error") -> None:
+        """No engine could serve it (``upstream_error``), or an engine refused it
+        (``client_error``)."""
+        ctx.outcome = outcome
+
+    def disconnect(self, ctx: Ctx) -> None:
+        ctx.outcome = "client_disconnect"
+
+    def refused(self, ctx: Ctx, outcome: str) -> None:
+        """The router answered it itself before routing (unauthorized, rejected, ...)."""
+        ctx.route = "none"
+        ctx.outcome = outcome
+
+    def finish(self, ctx: Ctx) -> None:
+        """Count ``ctx`` once, where it ends: its route and outcome, time to first token and
+        end to end, its routing decision."""
+        if ctx.outcome:
+            key = (ctx.route, ctx.outcome)
+            c = self._requests.get(key)
+            if c is None:
+                c = self._requests[key] = self.metrics.requests.labels(*key)
+            c.inc()
+            if ctx.outcome == "client_disconnect":
+                self.metrics.client_disconnects.inc()
+        hist = self._hist.get(ctx.route)
+        if hist is not None:
+            if ctx.t_first:
+                hist[0].observe(ctx.t_first - ctx.t0)
+            if ctx.t_end:
+                hist[2].observe(ctx.t_end - ctx.t0)
+        if ctx.decided:
+            self.metrics.decisions.labels(ctx.route, ctx.reason).inc()
+
+    # ------------------------------------------------------------------ events on the way
     def hist(self, route: str) -> tuple[Any, Any, Any]:
         """(time to first token, inter-token latency, end to end) histograms of a route."""
         return self._hist[route]
 
-    def answered(self, ctx: Ctx) -> None:
-        """A whole (non-streamed) answer: its first token and its end arrive together."""
-        ttft, _, e2e = self._hist[ctx.route]
-        dt = time.perf_counter() - ctx.t0
-        ttft.observe(dt)
-        e2e.observe(dt)
-
-    def first_token(self, ctx: Ctx) -> None:
-        self._hist[ctx.route][0].observe(time.perf_counter() - ctx.t0)
-        ctx.ttft_done = True
-
-    def finished(self, ctx: Ctx) -> None:
-        self._hist[ctx.route][2].observe(time.perf_counter() - ctx.t0)
-
-    def disconnect(self, ctx: Ctx) -> None:
-        self.metrics.client_disconnects.inc()
-        self.count(ctx.route, "client_disconnect")
-
     def upstream(self, pool: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(pool, kind).inc()
 
-    def fallback(self, ctx: Ctx, reason: str) -> None:
+    def fallback(self, ctx: Ctx, reason: FallbackReason) -> None:
         """``ctx`` is served another way than decided, for ``reason``."""
         self.metrics.fallbacks.labels(reason).inc()
         ctx.route = FALLBACK
@@ -116,10 +172,6 @@ class Outcomes:
     def prefix(self, matched: int, uncached: int) -> None:
         self.metrics.prefix_matched.observe(matched)
         self.metrics.uncached.observe(uncached)
-
-    def decided(self, ctx: Ctx) -> None:
-        """Where the request went and why (counted when its route is final)."""
-        self.metrics.decisions.labels(ctx.route, ctx.reason).inc()
 
     def batch(self, reason: str) -> None:
         """A request for several completions, served directly (openai_wire.batch_reason)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from pd_router import handoff
 from pd_router.config import Health, Pool, RouterConfig
 from pd_router.discovery import EndpointPool
 from pd_router.handoff.lmcache_notify import Ticket
@@ -215,6 +216,11 @@ class World:
             "m",  # type: ignore[arg-type]
         )
 
+    def direct(self) -> AsApp:
+        """The direct route, as the app runs it."""
+        d = handoff.DirectRoute(self.legs)
+        return AsApp(self, d, d)
+
     def ep(self, port: int):
         for p in (self.prefill, self.decode):
             for e in p.endpoints.values():
@@ -230,6 +236,26 @@ class World:
     def sample(self, name: str, **labels: str) -> float:
         v = self.metrics.registry.get_sample_value(name, labels)
         return 0.0 if v is None else v
+
+
+class AsApp:
+    """A route as the app runs it: through ``handoff.run`` (a fallback it raises is served by
+    one decoder) and counted once where the request ends (``Outcomes.finish``)."""
+
+    def __init__(self, world: World, route: Any, direct: Any) -> None:
+        self.world, self.route, self.direct = world, route, direct
+
+    async def serve(self, c: Ctx, down: Any) -> Any:
+        try:
+            return await handoff.run(self.route, self.direct, c, down)
+        finally:
+            self.world.outcomes.finish(c)
+
+    async def passthrough(self, c: Ctx, down: Any) -> Any:
+        try:
+            return await self.direct.passthrough(c, down)
+        finally:
+            self.world.outcomes.finish(c)
 
 
 def ctx(body: dict[str, Any], chat: bool = False, path: str | None = None) -> Ctx:

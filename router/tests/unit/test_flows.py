@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
-from fakes import FakeDownstream, FakeResponse, FakeWaiter, World, ctx
+from fakes import AsApp, FakeDownstream, FakeResponse, FakeWaiter, World, ctx
 
 from pd_router import balancing
 from pd_router.config import LMCache
@@ -68,7 +68,7 @@ def test_direct_retries_a_failing_decoder_and_counts_it(failure: Any) -> None:
     down = FakeDownstream()
     c = ctx({"prompt": "hi"})
     c.affinity = "k"
-    run(DirectRoute(w.legs).serve(c, down))
+    run(w.direct().serve(c, down))
     assert down.status == 200 and down.json()["choices"][0]["text"] == "ok"
     assert len(w.up.calls) == 2 and w.sample("pd_router_retries_total", pool="decode") == 1
     assert w.load() == [(0, 0)] * 3
@@ -80,7 +80,7 @@ def test_direct_hands_back_the_last_engine_error_when_every_decoder_fails() -> N
     w.up.on(D1, "/v1/completions", FakeResponse(500, err))
     w.up.on(D2, "/v1/completions", FakeResponse(500, err))
     down = FakeDownstream()
-    run(DirectRoute(w.legs).serve(ctx({"prompt": "hi"}), down))
+    run(w.direct().serve(ctx({"prompt": "hi"}), down))
     assert (down.status, down.body) == (500, err)
     assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="5xx") == 2
     assert w.load() == [(0, 0)] * 3
@@ -95,7 +95,7 @@ def test_a_stream_that_never_sends_its_first_chunk_is_retried_elsewhere() -> Non
     down = FakeDownstream()
     c = ctx({"prompt": "hi", "stream": True})
     c.affinity = "k"
-    run(DirectRoute(w.legs).serve(c, down))
+    run(w.direct().serve(c, down))
     assert down.events == [b"data: {}\n\n", b"data: [DONE]\n\n"] and down.ended
     assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="timeout") == 1
     assert w.load() == [(0, 0)] * 3
@@ -105,7 +105,7 @@ def test_no_healthy_decoder_is_a_503_with_retry_after() -> None:
     w = World(decode=(D1,))
     w.decode.healthy = []
     down = FakeDownstream()
-    run(DirectRoute(w.legs).serve(ctx({"prompt": "hi"}), down))
+    run(w.direct().serve(ctx({"prompt": "hi"}), down))
     assert down.status == 503 and down.headers["Retry-After"] == "2"
 
 
@@ -126,7 +126,8 @@ def test_open_decoder_tries_an_avoided_decoder_only_when_nothing_else_is_left() 
 
 # ---------------------------------------------------------------------- NIXL
 def nixl(w: World) -> NixlRoute:
-    return NixlRoute(w.legs, DirectRoute(w.legs))
+    d = DirectRoute(w.legs)
+    return AsApp(w, NixlRoute(w.legs, d), d)
 
 
 def test_nixl_prefills_then_hands_the_params_to_the_decoder() -> None:
@@ -256,7 +257,8 @@ def prefill_answer(tok: int = 99, text: str = "A", finish: str | None = "length"
 
 def lmcache(w: World, waiter: FakeWaiter) -> LMCacheRoute:
     lm = LMCache(decoder_init_ports=[7300, 7301], decoder_alloc_ports=[7400, 7401])
-    return LMCacheRoute(lm, w.legs, DirectRoute(w.legs), waiter)
+    d = DirectRoute(w.legs)
+    return AsApp(w, LMCacheRoute(lm, w.legs, d, waiter, False), d)
 
 
 def lm_ctx(body: dict[str, Any], chat: bool = False) -> Any:
@@ -280,7 +282,7 @@ def test_lmcache_decodes_on_the_decoder_that_received_the_kv() -> None:
     assert dport == w.ep(dport).port and dec["prompt"] == [*IDS, 99] and dec["max_tokens"] == 7
     assert "kv_transfer_params" not in dec and waiter.waited == [(waiter.expected[0], P1)]
     body = down.json()
-    # a fresh id in vLLM's format, never the request id (openai_wire.new_completion_id)
+    # a fresh id in vLLM's format, never the request id (lmcache_answer.new_completion_id)
     assert body["object"] == "chat.completion" and re.fullmatch(
         r"chatcmpl-[0-9a-f]{16}", body["id"]
     )

@@ -10,22 +10,20 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp.test_utils import make_mocked_request
-from fakes import FakeDownstream, FakeResponse, FakeWaiter, World, ctx
+from fakes import AsApp, FakeDownstream, FakeResponse, FakeWaiter, World, ctx
 
 from pd_router import balancing, metrics
 from pd_router.app import Router
 from pd_router.config import LMCache, parse_config
 from pd_router.handoff.direct import DirectRoute
 from pd_router.handoff.lmcache import LMCacheRoute
+from pd_router.handoff.lmcache_answer import new_completion_id, relabel_chunk, whole_answer
 from pd_router.openai_wire import (
     PASSTHROUGH_PATHS,
     batch_reason,
     model_card,
-    new_completion_id,
-    relabel_chunk,
     served_cards,
     stream_opening,
-    whole_answer,
 )
 from pd_router.request import Ctx
 
@@ -44,7 +42,7 @@ def test_a_relayed_stream_is_forwarded_byte_for_byte() -> None:
     w.up.on(D1, "/v1/responses", FakeResponse(200, chunks=sse, ctype="text/event-stream"))
     down = FakeDownstream()
     c = ctx({"input": "hi", "stream": True}, path="/v1/responses")
-    run(DirectRoute(w.legs).passthrough(c, down))
+    run(w.direct().passthrough(c, down))
     assert b"".join(down.events) == b"".join(sse) and down.ended
     assert down.headers["Content-Type"] == "text/event-stream"
     assert down.headers["x-pd-route"] == "direct" and down.headers["x-request-id"] == "rid1"
@@ -64,7 +62,7 @@ def test_a_relayed_answer_is_retried_elsewhere_on_a_5xx_and_passed_on_as_is() ->
     down = FakeDownstream()
     c = ctx({"prompt": "x"}, path="/tokenize")
     c.affinity = "k"
-    run(DirectRoute(w.legs).passthrough(c, down))
+    run(w.direct().passthrough(c, down))
     assert down.status == 200 and down.body == body
     assert w.sample("pd_router_retries_total", pool="decode") == 1
     assert w.load() == [(0, 0)] * 3
@@ -296,11 +294,10 @@ def _prefill(text: str = "A", finish: str | None = "length") -> FakeResponse:
     return FakeResponse(200, leg)
 
 
-def _lmcache(w: World, waiter: FakeWaiter, reasoning: bool = False) -> LMCacheRoute:
+def _lmcache(w: World, waiter: FakeWaiter, reasoning: bool = False) -> AsApp:
     lm = LMCache(decoder_init_ports=[7300], decoder_alloc_ports=[7400])
-    route = LMCacheRoute(lm, w.legs, DirectRoute(w.legs), waiter)
-    route.reasoning = reasoning
-    return route
+    d = DirectRoute(w.legs)
+    return AsApp(w, LMCacheRoute(lm, w.legs, d, waiter, reasoning), d)
 
 
 def _lm_ctx(body: dict[str, Any], chat: bool = False) -> Ctx:

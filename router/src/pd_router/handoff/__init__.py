@@ -4,8 +4,13 @@
 - :mod:`.nixl`: vLLM's NixlConnector hand-off (prefill, then decode with the returned params);
 - :mod:`.lmcache`: LMCache PD (decoder chosen first, prefill pushes the KV, decode the rest).
 
-The hand-off is chosen once, at start-up, from ``routing.connector`` (:func:`build_route`);
-no request asks which connector is configured.
+The hand-off is chosen once, at start-up, from ``routing.connector`` (:func:`build_route`,
+which also builds what that hand-off needs: LMCache's notification waiter); no request asks
+which connector is configured, and the app knows none. A route returns the client's answer or
+raises: :class:`~pd_router.request.Fallback` (the hand-off cannot serve it: one decoder does,
+its reason counted) or :class:`~pd_router.failures.LegError` while nothing was sent (no engine
+can: the client's error answer). :func:`run` is the one place that turns either into an
+answer.
 """
 
 from __future__ import annotations
@@ -15,26 +20,42 @@ from typing import Protocol
 from aiohttp import web
 
 from pd_router.config import RouterConfig
+from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
 from pd_router.handoff.lmcache import LMCacheRoute
-from pd_router.handoff.lmcache_notify import KvWaiter
+from pd_router.handoff.lmcache_notify import build_waiter
 from pd_router.handoff.nixl import NixlRoute
 from pd_router.legs import Downstream, Legs
-from pd_router.request import Ctx
+from pd_router.request import Ctx, Fallback
 
 
 class Route(Protocol):
     async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse: ...
 
+    async def start(self) -> None: ...
 
-def build_route(
-    cfg: RouterConfig, legs: Legs, direct: DirectRoute, waiter: KvWaiter | None
-) -> Route:
+    async def stop(self) -> None: ...
+
+
+def build_route(cfg: RouterConfig, legs: Legs, direct: DirectRoute) -> Route:
     """The disaggregated route of this router (``routing.connector``)."""
     if cfg.routing.connector == "lmcache":
-        assert waiter is not None
-        return LMCacheRoute(cfg.lmcache, legs, direct, waiter)
+        legs.outcomes.metrics.preset_lmcache(cfg.lmcache.notification_receiver)
+        waiter = build_waiter(cfg.lmcache, legs.up, legs.outcomes.metrics)
+        return LMCacheRoute(cfg.lmcache, legs, direct, waiter, bool(cfg.model.reasoning_parser))
     return NixlRoute(legs, direct)
 
 
-__all__ = ["DirectRoute", "Route", "build_route"]
+async def run(route: Route, direct: DirectRoute, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+    """``route`` serves ``ctx`` to its end: a fallback it raises is served by one decoder (its
+    reason counted), a leg error before any byte is the client's error answer."""
+    try:
+        return await route.serve(ctx, down)
+    except Fallback as fb:
+        direct.legs.outcomes.fallback(ctx, fb.reason)
+        return await direct.serve(ctx, down)
+    except LegError as err:
+        return direct.legs.fail(ctx, down, err)
+
+
+__all__ = ["DirectRoute", "Route", "build_route", "run"]

@@ -15,6 +15,12 @@ class DirectRoute:
     def __init__(self, legs: Legs) -> None:
         self.legs = legs
 
+    async def start(self) -> None:  # nothing to start (pd_router.handoff.Route)
+        pass
+
+    async def stop(self) -> None:
+        pass
+
     async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
         return await self.send(ctx, down, ctx.raw)
 
@@ -43,8 +49,3 @@ class DirectRoute:
             return legs.fail(ctx, down, err)
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         return await legs.relay(ctx, down, resp, ep, sse)
-
-    async def fallback(self, ctx: Ctx, down: Downstream, reason: str) -> web.StreamResponse:
-        """Serve a request meant for the hand-off directly, counting why."""
-        self.legs.outcomes.fallback(ctx, reason)
-        return await self.send(ctx, down, ctx.raw)

@@ -19,7 +19,7 @@ Checked against LMCache 0.5.6 (``examples/disagg_prefill/disagg_proxy_server.py`
 4. then the decoder gets ``prompt = ids + [first_tok]``, ``max_tokens - 1``, no
    ``kv_transfer_params``; its ``text_completion`` answer is reshaped into what the client
    asked for (chat or completions, whole or streamed), in the shape vLLM gives the same
-   request directly (``openai_wire``: every field the leg carries, the chat stream's
+   request directly (``lmcache_answer``: every field the leg carries, the chat stream's
    role-only first chunk, ``stop_reason``, usage details), under a fresh id of vLLM's format.
 
 A missing notification times out and the request is decoded anyway (``fallback``, counted) on
@@ -42,11 +42,7 @@ from pd_router.config import LMCache
 from pd_router.discovery import Endpoint
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
 from pd_router.handoff.direct import DirectRoute
-from pd_router.handoff.lmcache_notify import KvWaiter, Ticket
-from pd_router.lease import Lease
-from pd_router.legs import JSON, SSE_HEADERS, ClientGone, Downstream, Legs
-from pd_router.lengths import effective_max_tokens, lower_min_tokens, min_tokens_above
-from pd_router.openai_wire import (
+from pd_router.handoff.lmcache_answer import (
     SseEvents,
     adjust_usage,
     new_completion_id,
@@ -57,7 +53,11 @@ from pd_router.openai_wire import (
     usage_chunk,
     whole_answer,
 )
-from pd_router.request import DISAGG, Ctx
+from pd_router.handoff.lmcache_notify import KvWaiter, Ticket
+from pd_router.lease import Lease
+from pd_router.legs import JSON, SSE_HEADERS, ClientGone, Downstream, Legs
+from pd_router.lengths import effective_max_tokens, lower_min_tokens, min_tokens_above
+from pd_router.request import DISAGG, Ctx, Fallback
 from pd_router.upstream import Response
 
 log = logging.getLogger("pd_router.lmcache")
@@ -232,25 +232,28 @@ class First:
     ids: list[int]  # the prompt's ids: the plan's, or the prefiller's ``prompt_token_ids``
 
 
-NO_DECODER = "no_decoder"  # a plan outcome, not a fallback: nobody can serve it
-
-
 class LMCacheRoute:
-    def __init__(self, lm: LMCache, legs: Legs, direct: DirectRoute, waiter: KvWaiter) -> None:
+    def __init__(
+        self, lm: LMCache, legs: Legs, direct: DirectRoute, waiter: KvWaiter, reasoning: bool
+    ) -> None:
         self.lm = lm
         self.legs = legs
         self.direct = direct
         self.waiter = waiter
-        # model.reasoningParser is set (the app sets this): the engines split a chat answer
-        # into ``reasoning`` and ``content``, which a /v1/completions decode leg cannot do
-        self.reasoning = False
+        # model.reasoningParser is set: the engines split a chat answer into ``reasoning`` and
+        # ``content``, which a /v1/completions decode leg cannot do
+        self.reasoning = reasoning
+
+    async def start(self) -> None:
+        await self.waiter.start()  # a notification port already taken stops start-up here
+
+    async def stop(self) -> None:
+        await self.waiter.stop()
 
     async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+        """The hand-off; raises :class:`Fallback` (or LegError) while nothing has reached the
+        client, the decoder and the notification waiter given up whatever happened."""
         plan = await self._plan(ctx)
-        if plan == NO_DECODER:
-            return self.legs.fail(ctx, down, LegError.no_decoder())
-        if isinstance(plan, str):
-            return await self.direct.fallback(ctx, down, plan)
         ctx.route = DISAGG
         req_id = f"{ctx.rid}-{uuid.uuid4().hex[:8]}"
         # Held while its KV arrives, so concurrent long prompts spread over decoders.
@@ -262,23 +265,23 @@ class LMCacheRoute:
             hold.release()
             self.waiter.cancel(ticket)
 
-    async def _plan(self, ctx: Ctx) -> Plan | str:
-        """Both engines and the lengths, or why the request cannot be split (a fallback
-        reason, or NO_DECODER)."""
+    async def _plan(self, ctx: Ctx) -> Plan:
+        """Both engines and the lengths; raises :class:`Fallback` with why the request cannot
+        be split, or LegError when no decoder can serve it at all."""
         legs, body = self.legs, ctx.body
         supported = chat_supported(body) if ctx.chat else completions_supported(body)
         if not supported:
-            return "unsupported_fields"
+            raise Fallback("unsupported_fields")
         if ctx.chat and self.reasoning:
-            return "reasoning_parser"
+            raise Fallback("reasoning_parser")
         pre = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
         if pre is None:
-            return "no_prefiller"
+            raise Fallback("no_prefiller")
         dec = ctx.decoder or balancing.pick(
             legs.decode_pool.healthy, balancing.decode_load, ctx.affinity
         )
         if dec is None:
-            return NO_DECODER
+            raise LegError.no_decoder()
         ids = ctx.ids
         if ids is None and legs.max_model_len is not None:
             # the prefill leg's answer gives the ids; the lengths are checked then
@@ -288,27 +291,25 @@ class LMCacheRoute:
                 ids = await legs.tokenize(ctx, pre, body, ctx.chat)
             except TokenizeError:
                 legs.outcomes.upstream("prefill", "tokenize")
-                return "tokenize_error"
-        mt = self._lengths(ctx, len(ids))
-        if isinstance(mt, str):
-            return mt
-        return Plan(pre, dec, ids, mt, len(ids))
+                raise Fallback("tokenize_error") from None
+        return Plan(pre, dec, ids, self._lengths(ctx, len(ids)), len(ids))
 
-    def _lengths(self, ctx: Ctx, n_prompt: int) -> int | str:
-        """The split request's total output length, or why it is served unsplit."""
+    def _lengths(self, ctx: Ctx, n_prompt: int) -> int:
+        """The split request's total output length; raises :class:`Fallback` with why it is
+        served unsplit."""
         body, mml = ctx.body, self.legs.max_model_len
         mt = effective_max_tokens(body, ctx.chat, n_prompt, mml)
         if mt is None:
-            return "unknown_max_tokens"
+            raise Fallback("unknown_max_tokens")
         if min_tokens_above(body, mt):
             # invalid as sent: a decoder answers it exactly as vLLM does (400), unsplit
-            return "unsupported_fields"
+            raise Fallback("unsupported_fields")
         if mml is not None and n_prompt + mt > mml:
             # vLLM 0.31 refuses prompt + max_tokens above the context (400) but would accept the
             # 1-token prefill leg: unsplit, the client gets the decoder's own answer, never a 200
             # and one token before the error (0.33 clamps max_tokens and serves it). Learnt from
             # the prefill leg's answer, this costs that leg (its KV is never decoded).
-            return "too_long"
+            raise Fallback("too_long")
         return mt
 
     async def _run(
@@ -317,22 +318,14 @@ class LMCacheRoute:
         legs = self.legs
         t0 = time.perf_counter()
         first = await self._prefill(ctx, plan, ticket.req_id)
-        if isinstance(first, str):
-            hold.release()  # not waiting for a KV any more
-            self.waiter.cancel(ticket)
-            return await self.direct.fallback(ctx, down, first)
         if plan.ids is None:  # learnt from the prefill leg
-            mt = self._lengths(ctx, len(first.ids))
-            if isinstance(mt, str):
-                hold.release()
-                self.waiter.cancel(ticket)
-                return await self.direct.fallback(ctx, down, mt)
-            plan.ids, plan.max_tokens = first.ids, mt
+            plan.max_tokens = self._lengths(ctx, len(first.ids))
+            plan.ids = first.ids
         assert plan.max_tokens is not None
         # the prefiller's success is reported once its hand-off completed (below): reported
         # here, it would reset the failures a missing notification counts every time
         done_after_first = first.finish == "stop" or plan.max_tokens == 1
-        # a fresh id, never the client's X-Request-Id (vLLM's own would be; openai_wire)
+        # a fresh id, never the client's X-Request-Id (vLLM's own would be; lmcache_answer)
         sid = new_completion_id(ctx.chat)
         created = int(time.time())
         if ctx.stream:
@@ -384,21 +377,17 @@ class LMCacheRoute:
         )
         return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in out)
 
-    async def _prefill(self, ctx: Ctx, plan: Plan, req_id: str) -> First | str:
-        """The prefill leg: its first token, or a fallback reason (a prefiller's 4xx refused
-        the leg's body, not the client's: handoff/nixl.py)."""
+    async def _prefill(self, ctx: Ctx, plan: Plan, req_id: str) -> First:
+        """The prefill leg: its first token; raises :class:`Fallback` (Legs.prefill)."""
         legs, lm = self.legs, self.lm
         body = prefill_body(
             ctx.body, plan.ids, req_id, plan.dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
         )
         # ids known: a completion of them; else the client's own endpoint, asking for them
         path = DECODE_PATH if plan.ids is not None or not ctx.chat else ctx.path
-        try:
-            status, presp, _ = await legs.prefill(ctx, plan.pre, path, body, plan.ntok)
-        except LegError as err:
-            return legs.prefill_failed(plan.pre, err)
-        if status != 200:
-            return "prefill_refused"
+        # its success is reported once the KV landed (_await_kv): reported here, it would reset
+        # the failures a missing notification counts every time
+        presp = await legs.prefill(ctx, plan.pre, path, body, plan.ntok, report_success=False)
         ids = plan.ids
         try:
             tok = presp["kv_transfer_params"]["first_tok"]
@@ -414,7 +403,7 @@ class LMCacheRoute:
         except (KeyError, TypeError, IndexError, AttributeError):
             tok = None
         if type(tok) is not int or type(ids) is not list or not ids:
-            return legs.prefill_failed(plan.pre, LegError("bad_response", 502))
+            raise legs.prefill_broken(plan.pre, LegError("bad_response", 502))
         return First(tok, text, finish, stop_reason, presp, ids)
 
     async def _await_kv(self, ctx: Ctx, plan: Plan, ticket: Ticket, t0: float) -> bool:
@@ -461,14 +450,14 @@ class LMCacheRoute:
             if not down.streaming:
                 return legs.fail(ctx, down, err)
             await down.stream_error("no decoder could continue the stream")
-            legs.outcomes.count(ctx.route, "upstream_error")
+            legs.outcomes.failed(ctx)
             assert down.response is not None
             return down.response
         if resp.status != 200 and down.streaming:
             etype, emsg = await legs.error_detail(resp)
             msg = f"decoder answered {resp.status}" + (f": {emsg}" if emsg else "")
             await down.stream_error(msg, etype or "upstream_error", resp.status)
-            legs.outcomes.count(ctx.route, "upstream_error")
+            legs.outcomes.failed(ctx)
             assert down.response is not None
             return down.response
         if not down.streaming:
@@ -506,14 +495,12 @@ class LMCacheRoute:
                 out.disconnect(ctx)
                 return down.response
             out.finished(ctx)
-            out.count(ctx.route, "ok")
             return down.response
         leg = {**first.leg, "created": created}
         if not leg["choices"][0].get("finish_reason"):
             leg["choices"] = [{**leg["choices"][0], "finish_reason": "length"}]
         whole = whole_answer(ctx.chat, sid, self.legs.served, leg, first.text, usage)
         out.finished(ctx)
-        out.count(ctx.route, "ok")
         return down.reply(200, orjson.dumps(whole), ctx.reply_headers(), JSON)
 
     async def _whole(
@@ -527,7 +514,7 @@ class LMCacheRoute:
             out.upstream("decode", "stream")
             return legs.fail(ctx, down, LegError("stream", 502))
         if resp.status != 200:
-            out.count(ctx.route, "client_error")
+            out.failed(ctx, "client_error")
             return down.reply(resp.status, raw, ctx.reply_headers(), JSON)
         try:
             d = orjson.loads(raw)
@@ -539,7 +526,6 @@ class LMCacheRoute:
             out.upstream("decode", "bad_response")
             return legs.fail(ctx, down, LegError("bad_response", 502))
         out.answered(ctx)
-        out.count(ctx.route, "ok")
         return down.reply(200, orjson.dumps(whole), ctx.reply_headers(), JSON)
 
     async def _stream(

@@ -20,11 +20,10 @@ import orjson
 from aiohttp import web
 
 from pd_router import balancing
-from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
 from pd_router.legs import Downstream, Legs
 from pd_router.lengths import lower_min_tokens, min_tokens_above, requested_max_tokens
-from pd_router.request import DISAGG, Ctx
+from pd_router.request import DISAGG, Ctx, Fallback
 
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -69,36 +68,34 @@ class NixlRoute:
         self.legs = legs
         self.direct = direct
 
+    async def start(self) -> None:  # nothing to start (pd_router.handoff.Route)
+        pass
+
+    async def stop(self) -> None:
+        pass
+
     async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
-        legs, direct, body = self.legs, self.direct, ctx.body
+        """Prefill, then decode with the prefiller's params; raises :class:`Fallback` while
+        nothing has reached the client (pd_router.handoff.run serves it directly)."""
+        legs, body = self.legs, ctx.body
         if min_tokens_above(body, requested_max_tokens(body, ctx.chat)):
             # invalid as sent (vLLM answers 400): no prefill for it
-            return await direct.fallback(ctx, down, "unsupported_fields")
+            raise Fallback("unsupported_fields")
         ep = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
         if ep is None:
-            return await direct.fallback(ctx, down, "no_prefiller")
+            raise Fallback("no_prefiller")
         ctx.route = DISAGG
         t0 = time.perf_counter()
         # prefiller load: the prompt length as the decision saw it, else bytes / 4
         ntok = ctx.ptok or len(ctx.raw) // 4
-        try:
-            status, resp, _ = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
-        except LegError as err:
-            return await direct.fallback(ctx, down, legs.prefill_failed(ep, err))
-        if status != 200:
-            # The prefiller refused the prefill leg's body (max_tokens 1, no stream, the
-            # hand-off fields), not the client's: vLLM's message would describe a request the
-            # client never sent ("you requested 1 output tokens"). A decoder answers the
-            # client's own request, refusing it in the client's terms or serving it.
-            return await direct.fallback(ctx, down, "prefill_refused")
-        legs.prefill_pool.report_success(ep)
-        kvp = decode_params(resp)
+        answer = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
+        kvp = decode_params(answer)
         if kvp is None:
             legs.outcomes.upstream("prefill", "no_kv_params")
-            return await direct.fallback(ctx, down, "no_kv_params")
+            raise Fallback("no_kv_params")
         legs.outcomes.handoff_wait("nixl", time.perf_counter() - t0)
         data = orjson.dumps(decode_body(body, kvp))
         # A retry goes out without the hand-off: the failed decoder may already have pulled
         # the blocks, and the prefiller frees them once pulled (vLLM v0.11 NixlConnector), so
         # the next decoder recomputes the prompt instead of reading blocks that may be reused.
-        return await direct.send(ctx, down, data, retry_data=ctx.raw)
+        return await self.direct.send(ctx, down, data, retry_data=ctx.raw)
