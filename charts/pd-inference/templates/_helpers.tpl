@@ -61,11 +61,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "pd-inference.labels" -}}
-{{ include "pd-inference.selectorLabels" . }}
+{{ include "pd-inference.podLabels" . }}
 app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+helm.sh/chart: {{ include "pd-inference.chart" .ctx }}
+{{- end -}}
+
+{{/*
+The labels of a pod template: the standard set without the chart's and the router's version.
+Those two change with every chart release; in a pod template they would replace every pod of
+every release (each engine reloading its model) for a change that touched nothing it runs.
+They stay on the objects' own metadata (pd-inference.labels).
+*/}}
+{{- define "pd-inference.podLabels" -}}
+{{ include "pd-inference.selectorLabels" . }}
 app.kubernetes.io/part-of: pd-inference
 app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
-helm.sh/chart: {{ include "pd-inference.chart" .ctx }}
 {{- with .ctx.Values.commonLabels }}
 {{ toYaml . }}
 {{- end }}
