@@ -16,9 +16,6 @@ VALUES_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "values").rglob(
 # LMCache PD with a full-attention model (the chart default model is hybrid, which only
 # NixlConnector serves): layer it first in every test of an LMCache-only rule.
 LMCACHE = "tests/values/lmcache.yaml"
-# Values files that cannot render on the chart defaults alone, and the field their error names:
-# staging runs LMCache, which cannot serve the default (hybrid) model without its Llama profile.
-REFUSED_ALONE = {"values/staging.yaml": "kvTransfer.connector"}
 
 
 def scenarios(directory: Path = SCENARIOS) -> dict[str, tuple[str, ...]]:
@@ -40,10 +37,10 @@ def scenarios(directory: Path = SCENARIOS) -> dict[str, tuple[str, ...]]:
     return out
 
 
-# Every layering: the chart defaults, each values file alone (but those refused alone), each named
+# Every layering: the chart defaults, each values file alone (each renders on the defaults), each named
 # scenario, and each environment as Argo CD layers it (profile + env).
 LAYERINGS: dict[str, tuple[str, ...]] = {"defaults": ()}
-LAYERINGS.update({f: (f,) for f in VALUES_FILES if f not in REFUSED_ALONE})
+LAYERINGS.update({f: (f,) for f in VALUES_FILES})
 LAYERINGS.update(scenarios())
 LAYERINGS.update({f"env:{name}": tuple(env["valueFiles"]) for name, env in lib.environments().items()})
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import helm
-from tests.cases import LMCACHE, REFUSED_ALONE
+from tests.cases import LMCACHE
 
 # (values file content, strings the error must contain), layered over the chart defaults
 # (NixlConnector, the hybrid Qwen3.5-9B).
@@ -389,9 +389,3 @@ def test_lmcache_only_rules_do_not_fire_on_nixl(h4: Path, case: str) -> None:
     content, _ = BAD_LMCACHE_VALUES[case]
     result = helm.template(h4, values_yaml=content)
     assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.parametrize("path", REFUSED_ALONE)
-def test_an_environment_that_needs_its_profile_is_refused_alone(h4: Path, path: str) -> None:
-    result = helm.template(h4, (path,))
-    assert result.returncode != 0 and REFUSED_ALONE[path] in result.stderr, result.stderr

@@ -68,7 +68,11 @@ def test_every_scenario_file_is_a_layering() -> None:
     files = sorted(p.stem for p in cases.SCENARIOS.glob("*.yaml"))
     assert files == sorted(n.removeprefix("scenario:") for n in LAYERINGS if n.startswith("scenario:"))
     assert {"lmcache", "lmcache+staging", "qwen-g6+prod", "llama-p5+dev"} <= set(files)
-    assert LAYERINGS["scenario:lmcache+staging"] == (cases.LMCACHE, "values/staging.yaml")
+    assert LAYERINGS["scenario:lmcache+staging"] == (
+        cases.LMCACHE,
+        "values/staging.yaml",
+        "tests/values/lmcache-sidecar.yaml",
+    )
 
 
 @pytest.mark.parametrize(

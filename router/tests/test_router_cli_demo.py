@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from router_testlib import run_cli, write_config
 
 ROUTER_DIR = Path(__file__).resolve().parents[1]
@@ -46,8 +48,25 @@ def test_demo_once() -> None:
     assert "route=direct reason=below_threshold" in out.stdout
     assert "route=disaggregated reason=above_threshold" in out.stdout
     assert "[next-turn request" in out.stdout and "route=direct reason=prefix_cached" in out.stdout
-    assert "TTFT=" in out.stdout
-    assert "model           llama-3.3-70b" in out.stdout
+    assert "TTFT=" in out.stdout and "engines are simulated" in out.stdout
+    # a default install's model and connector (the chart's defaults)
+    chart = yaml.safe_load(
+        (ROUTER_DIR.parent / "charts" / "pd-inference" / "values.yaml").read_text()
+    )
+    assert f"model           {chart['model']['servedName']}" in out.stdout
+    assert f"connector={chart['kvTransfer']['connector']}" in out.stdout
+
+
+def test_demo_with_an_api_key(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_router_dev.demo", "--once", "--api-key", "s3cret"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "route=disaggregated reason=above_threshold" in out.stdout
 
 
 def test_demo_port_model_and_kept_logs(tmp_path: Path) -> None:

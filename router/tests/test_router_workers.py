@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pd_router import workers
-from pd_router.config import ConfigError, RouterConfig, parse_config
+from pd_router.config import ConfigError, parse_config
 from pd_router.workers import share, worker_count
 from pd_router_dev.devstack import Proc, Stack
 from router_testlib import MODEL, long_text, metric_value, wait_until, write_config
@@ -118,8 +118,9 @@ def test_workers_share_the_admission_limits() -> None:
 
 
 def test_auto_workers_with_the_router_notification_socket_is_one() -> None:
-    assert worker_count(parse_config({"listen": {"workers": 0}})) == 1  # lmcache, router mode
-    assert worker_count(RouterConfig()) == 1
+    lmcache = {"routing": {"connector": "lmcache"}}  # notificationReceiver router, the default
+    assert worker_count(parse_config({"listen": {"workers": 0}, **lmcache})) == 1
+    assert worker_count(parse_config(lmcache)) == 1
 
 
 @pytest.mark.parametrize(
@@ -157,7 +158,10 @@ def test_auto_workers_follow_the_cpu_limit(
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"listen": {"workers": 2}}, "listen.workers: must be 1 with lmcache.notificationReceiver"),
+        (
+            {"listen": {"workers": 2}, "routing": {"connector": "lmcache"}},
+            "listen.workers: must be 1 with lmcache.notificationReceiver",
+        ),
         ({"listen": {"workers": -1}}, "listen.workers: must be between 0"),
         ({"listen": {"workers": 65}}, "listen.workers: must be between 0"),
     ],

@@ -104,7 +104,8 @@ class PrefillBusy:
 
 @dataclass(frozen=True)
 class Routing:
-    connector: Literal["lmcache", "nixl"] = "lmcache"
+    # the chart's default (kvTransfer.connector): one default for router and chart
+    connector: Literal["lmcache", "nixl"] = "nixl"
     threshold: int = 1024
     session_affinity_header: str = ""
     # prefix: decoder first, disaggregate by the prompt tokens it does not hold (and bypass a

@@ -20,7 +20,10 @@ from pathlib import Path
 from pd_router.config import load_config
 from pd_router_dev.devstack import DEMO_CONFIG, Stack, free_port
 
-MODEL = "llama-3.3-70b"  # demo-config.yaml's servedName
+# The chart's defaults (charts/pd-inference/values.yaml model.servedName, kvTransfer.connector;
+# router/tests/test_router_cli_demo.py checks they agree): what a default install runs.
+MODEL = "qwen3.5-9b"
+CONNECTOR = "nixl"
 LONG_DOC = (
     "Disaggregated serving splits the compute-bound prefill of a long prompt from the "
     "memory-bound decode of its answer, so long prompts stop stalling other users' streams. "
@@ -51,10 +54,14 @@ def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pd_router_dev.demo", description=__doc__)
     p.add_argument("--once", action="store_true", help="exit after the three requests")
-    p.add_argument("--connector", choices=["lmcache", "nixl"], default="lmcache")
+    p.add_argument("--connector", choices=["lmcache", "nixl"], default=CONNECTOR)
     p.add_argument("--port", type=int, default=0, help="router port on 127.0.0.1 (0 = a free one)")
     p.add_argument("--model", default=MODEL, help="model name the engines serve and clients send")
     p.add_argument("--logs", help="folder for the processes' logs (default: a new one in /tmp)")
+    p.add_argument(
+        "--api-key",
+        help="run the router with this API key (router.auth) and ask with it; default: no keys",
+    )
     a = p.parse_args(argv)
     if not 0 <= a.port <= 65535:
         p.error(f"--port: must be between 0 and 65535, got {a.port}")
@@ -79,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="pd-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
+    if a.api_key:  # the keys file the chart mounts from router.auth.existingSecret
+        (logs / "api-keys").write_text(a.api_key + "\n")
+        env["PD_ROUTER__AUTH__APIKEYSFILE"] = str(logs / "api-keys")
     with Stack(logs) as stack:  # a folder given to Stack is left in place: the logs stay
         stop = {"now": False}
 
@@ -114,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         env["PD_ROUTER__POOLS__DECODE__STATIC"] = f"[{decode.url()}]"
         cfg = load_config(DEMO_CONFIG, env)  # fail here, clearly, on a bad demo config
         router = stack.router("demo-router", DEMO_CONFIG, env)
+        print(
+            "engines are simulated (pd_router_dev.sim: vLLM's API, metrics and hand-offs, no model)"
+        )
         print(f"prefill engine  {prefill.url()}  (pid {prefill.pid})")
         print(f"decode engine   {decode.url()}  (pid {decode.pid})")
         print(
@@ -121,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"threshold={cfg.routing.threshold} tokens"
         )
         print(f"model           {cfg.model.served_name}  (clients send this as `model`)")
-        client = openai.OpenAI(base_url=router.url() + "/v1", api_key="demo", max_retries=0)
+        key = a.api_key or "none"  # the openai client insists on one; an open router ignores it
+        client = openai.OpenAI(base_url=router.url() + "/v1", api_key=key, max_retries=0)
         long = LONG_DOC + "\nSummarise the text above."
         for label, content in (
             ("short", "What is disaggregated serving?"),
