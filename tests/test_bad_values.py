@@ -14,6 +14,10 @@ from tests.cases import LMCACHE
 # (NixlConnector, the hybrid Qwen3.5-9B).
 BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
     "typo_top_level": ("routr:\n  replicas: 2\n", ("routr",)),
+    "ejection_cap_below_its_base": (
+        "router:\n  health:\n    ejectionSeconds: 60\n    maxEjectionSeconds: 30\n",
+        ("router.health.maxEjectionSeconds",),
+    ),
     "typo_nested": ("prefill:\n  tensorParalelSize: 2\n", ("/prefill", "tensorParalelSize")),
     "wrong_type_replicas": ("decode:\n  replicas: two\n", ("/decode/replicas",)),
     "negative_replicas": ("prefill:\n  replicas: -1\n", ("/prefill/replicas",)),

@@ -30,6 +30,9 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- if and $single (gt (int $v.router.replicas) 1) -}}
 {{- fail (printf "router.replicas: %d router replicas need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router (pd_proxy_host)" (int $v.router.replicas)) -}}
 {{- end -}}
+{{- if lt (int $v.router.health.maxEjectionSeconds) (int $v.router.health.ejectionSeconds) -}}
+{{- fail (printf "router.health.maxEjectionSeconds: must be >= router.health.ejectionSeconds (%d), got %d" (int $v.router.health.ejectionSeconds) (int $v.router.health.maxEjectionSeconds)) -}}
+{{- end -}}
 {{- if and $single (gt (int $v.router.workers) 1) -}}
 {{- fail (printf "router.workers: %d worker processes need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router one process binds the notification socket" (int $v.router.workers)) -}}
 {{- end -}}

@@ -180,6 +180,13 @@ class Health:
     healthy_threshold: int = 1
     unhealthy_threshold: int = 3
     passive_failure_threshold: int = 3
+    # An endpoint ejected for failed requests stays out this long, doubled with each ejection in
+    # a row (up to maxEjectionSeconds; a request it serves well resets it), whatever its active
+    # check says: /health can answer while what failed (an LMCache notification path, a KV
+    # transfer) does not, and a re-admission at the next check made every long request wait
+    # out its timeout again (Envoy's outlier detection does the same).
+    ejection_seconds: float = 30.0
+    max_ejection_seconds: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -449,8 +456,13 @@ def _validate(cfg: RouterConfig) -> None:
     h = cfg.health
     if not h.path.startswith("/"):
         raise ConfigError(f"health.path: must start with '/', got {h.path!r}")
-    for name in ("interval_seconds", "timeout_seconds"):
+    for name in ("interval_seconds", "timeout_seconds", "ejection_seconds", "max_ejection_seconds"):
         _positive(getattr(h, name), f"health.{_camel(name)}")
+    if h.max_ejection_seconds < h.ejection_seconds:
+        raise ConfigError(
+            f"health.maxEjectionSeconds: must be >= health.ejectionSeconds ({h.ejection_seconds}),"
+            f" got {h.max_ejection_seconds}"
+        )
     for name in ("healthy_threshold", "unhealthy_threshold", "passive_failure_threshold"):
         if getattr(h, name) < 1:
             raise ConfigError(f"health.{_camel(name)}: must be >= 1")

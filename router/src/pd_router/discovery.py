@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -28,6 +29,8 @@ class Endpoint:
         "cache_asked",
         "consec_bad",
         "consec_ok",
+        "ejected_until",
+        "ejections",
         "generation",
         "healthy",
         "host",
@@ -50,6 +53,8 @@ class Endpoint:
         self.consec_ok = 0
         self.consec_bad = 0
         self.passive_failures = 0
+        self.ejections = 0  # passive ejections in a row (reset by a request served well)
+        self.ejected_until = 0.0  # monotonic time before which no active check re-admits it
         self.removed = False
         # Bumped each time the endpoint becomes healthy: it may have restarted meanwhile, with
         # an empty KV cache (the prefix index starts its picture of it afresh).
@@ -101,24 +106,38 @@ class EndpointPool:
 
     def report_failure(self, ep: Endpoint) -> None:
         ep.passive_failures += 1
-        if ep.healthy and ep.passive_failures >= self.health.passive_failure_threshold:
+        h = self.health
+        if ep.healthy and ep.passive_failures >= h.passive_failure_threshold:
             ep.healthy = False
             ep.consec_ok = 0
+            ep.ejections += 1
+            out = min(h.max_ejection_seconds, h.ejection_seconds * 2 ** (ep.ejections - 1))
+            ep.ejected_until = time.monotonic() + out
             log.warning(
-                "pool %s: ejected %s after %d failures", self.name, ep.base, ep.passive_failures
+                "pool %s: ejected %s after %d failures for %.0f s (ejection %d in a row)",
+                self.name,
+                ep.base,
+                ep.passive_failures,
+                out,
+                ep.ejections,
             )
             self._refresh_healthy()
 
     def report_success(self, ep: Endpoint) -> None:
-        if ep.passive_failures:
+        if ep.passive_failures or ep.ejections:
             ep.passive_failures = 0
+            ep.ejections = 0
 
     def _record_check(self, ep: Endpoint, ok: bool) -> None:
         h = self.health
         if ok:
             ep.consec_ok += 1
             ep.consec_bad = 0
-            if not ep.healthy and ep.consec_ok >= h.healthy_threshold:
+            if (
+                not ep.healthy
+                and ep.consec_ok >= h.healthy_threshold
+                and time.monotonic() >= ep.ejected_until
+            ):
                 ep.healthy = True
                 ep.passive_failures = 0
                 ep.generation += 1

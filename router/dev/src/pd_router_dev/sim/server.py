@@ -214,6 +214,7 @@ class SimEngine:
             "notifs_sent": 0,
             "transfer_failures": 0,
             "aborted": 0,
+            "health_checks": 0,
             "hanging": 0,
         }
         self.live: set[Run] = set()
@@ -253,6 +254,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ handlers
     async def health(self, request: web.Request) -> web.Response:
+        self.m["health_checks"] += 1
         if self.state["fault"] == "unhealthy":
             return web.Response(status=503)
         return web.Response(status=200)
@@ -412,6 +414,8 @@ class SimEngine:
             f"pd_sim_transfer_failures_total {m['transfer_failures']}",
             "# TYPE pd_sim_aborted_total counter",
             f"pd_sim_aborted_total {m['aborted']}",
+            "# TYPE pd_sim_health_checks_total counter",
+            f"pd_sim_health_checks_total {m['health_checks']}",
             "# TYPE pd_sim_requests_hanging gauge",
             f"pd_sim_requests_hanging {m['hanging']}",
             "# TYPE pd_sim_busy_seconds_total counter",
