@@ -733,3 +733,56 @@ def test_prompts_are_logged_only_when_configured(nx: Nixl, log_prompts: bool) ->
     mine = [x for x in lines if x.get("request_id") == rid]
     assert {x["route"] for x in mine if x["msg"] == "request"} == {"direct", "disaggregated"}
     assert (secret in r.log_tail(10**6)) is log_prompts
+
+
+# ---------------------------------------------------------------------- KV revisions
+def test_revision_pairs_learnt_from_the_engines_models_list(stack: Stack) -> None:
+    """Each engine's KV revision, read from its /v1/models (pd_router.revision): a prefiller of
+    revision a is paired only with the decoder of revision a, both legs naming a's model; a
+    decoder of b alone gets long prompts directly (fallback no_revision_pair)."""
+    a, b = "aaaaaaaaaa", "bbbbbbbbbb"
+    pre = stack.sim("rev-prefill", "--kv-connector", "nixl", "--alias", f"{MODEL}@kv-{a}")
+    dec_a = stack.sim("rev-decode-a", "--kv-connector", "nixl", "--alias", f"{MODEL}@kv-{a}")
+    dec_b = stack.sim("rev-decode-b", "--kv-connector", "nixl", "--alias", f"{MODEL}@kv-{b}")
+    cfg = {
+        "routing": {"connector": "nixl", "threshold": 256, "decision": "length"},
+        "pools": {
+            "prefill": {"discovery": "static", "static": [pre.url()]},
+            "decode": {"discovery": "static", "static": [dec_a.url(), dec_b.url()]},
+        },
+    }
+    router = stack.router("rev-router", write_config(stack.workdir, "rev-router", cfg))
+    _, _, raw = http_call(router.url() + "/v1/models")
+    (card,) = json.loads(raw)["data"]
+    assert card["id"] == MODEL  # the revisions' names are the router's business, not listed
+    assert card["kv_revisions"] == {"prefill": {a: 1}, "decode": {a: 1, b: 1}}
+    for _ in range(6):  # whichever decoder the balancer would have picked
+        raw_resp = client(router).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": long_text()}], max_tokens=4
+        )
+        h = raw_resp.headers
+        assert (h["x-pd-route"], h["x-pd-kv-revision"]) == ("disaggregated", a)
+    assert metric_value(dec_b.url(), "pd_sim_kv_remote_prefill_total") == 0
+    assert metric_value(dec_a.url(), "pd_sim_kv_remote_prefill_total") == 6
+    revs = metric_value(
+        router.url(), "pd_router_kv_revision_endpoints", {"pool": "decode", "revision": b}
+    )
+    assert revs == 1
+
+    only_b = {
+        **cfg,
+        "pools": {**cfg["pools"], "decode": {"discovery": "static", "static": [dec_b.url()]}},
+    }
+    lone = stack.router("rev-router-b", write_config(stack.workdir, "rev-router-b", only_b))
+    raw_resp = client(lone).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": long_text()}], max_tokens=4
+    )
+    h = raw_resp.headers
+    assert (h["x-pd-route"], h["x-pd-reason"], h["x-pd-kv-revision"]) == (
+        "fallback",
+        "no_revision_pair",
+        b,
+    )
+    assert (
+        metric_value(lone.url(), "pd_router_fallbacks_total", {"reason": "no_revision_pair"}) == 1
+    )

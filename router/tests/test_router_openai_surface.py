@@ -272,6 +272,8 @@ def test_models_are_the_engines_cards(sf: Surface) -> None:
     got = json.loads(data)
     _, _, own = _call(sf.engine, "/v1/models", method="GET")
     engine = json.loads(own)
+    # the router's one addition: the healthy engines by KV revision (these name none: "")
+    assert [c.pop("kv_revisions") for c in got["data"]] == [{"prefill": {"": 1}, "decode": {"": 2}}]
     assert _shape(got) == _shape(engine)
     assert _without(got, ("created", "id")) == _without(engine, ("created", "id"))
     (card,) = got["data"]
@@ -306,7 +308,8 @@ def test_models_without_an_engine_are_the_routers_own_card(sf: Surface) -> None:
     assert status == 200 and h["x-pd-models-source"] == "router"
     (card,) = json.loads(data)["data"]
     _, _, own = _call(sf.engine, "/v1/models", method="GET")
-    assert set(card) == set(json.loads(own)["data"][0])  # vLLM's ModelCard fields
+    # vLLM's ModelCard fields, and the router's kv_revisions
+    assert set(card) == {*json.loads(own)["data"][0], "kv_revisions"}
     assert card["id"] == MODEL and card["max_model_len"] is None
     status, _, data = _call(sf.alone.url(), f"/v1/models/{MODEL}", method="GET")
     assert status == 200 and json.loads(data)["id"] == MODEL

@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from pd_router import balancing, hub_tokenizer
+from pd_router import balancing, hub_tokenizer, revision
 from pd_router.admission import Admission, Reject
 from pd_router.auth import ApiKeys
 from pd_router.config import RouterConfig
@@ -80,12 +80,26 @@ class Router:
         self.cfg = cfg
         self.metrics = m = metrics or Metrics()
 
+        seen: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+
         def on_change(pool: EndpointPool) -> None:
             m.healthy.labels(pool.name).set(len(pool.healthy))
             m.endpoints.labels(pool.name).set(len(pool.endpoints))
+            live = revision.census(pool.healthy)
+            for rev in seen[pool.name] - live.keys():
+                m.kv_revisions.labels(pool.name, rev).set(
+                    0
+                )  # set, not removed: worker files keep it
+            for rev, n in live.items():
+                m.kv_revisions.labels(pool.name, rev).set(n)
+            seen[pool.name] |= live.keys()
 
-        self.prefill = EndpointPool("prefill", cfg.pools.prefill, cfg.health, on_change)
-        self.decode = EndpointPool("decode", cfg.pools.decode, cfg.health, on_change)
+        self.prefill = EndpointPool(
+            "prefill", cfg.pools.prefill, cfg.health, on_change, cfg.model.served_name
+        )
+        self.decode = EndpointPool(
+            "decode", cfg.pools.decode, cfg.health, on_change, cfg.model.served_name
+        )
         self.keys = ApiKeys(cfg.auth.api_keys_file)
         self.metrics_tokens = ApiKeys(
             cfg.auth.metrics_tokens_file, field="auth.metricsTokensFile", env_var=""
@@ -222,12 +236,14 @@ class Router:
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: vLLM's ``ModelList`` with the engines' card of the served
         model (openai/models/api_router.py, 0.31.0: ``ModelCard`` with ``created``,
-        ``max_model_len``, ``root``, ``permission``, ...)."""
+        ``max_model_len``, ``root``, ``permission``, ...), each with ``kv_revisions``: the
+        healthy engines of each pool by KV-compatibility revision (pd_router.revision), which
+        shows a rollout's progress; the revisions' own names are the router's, not listed."""
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         cards, source = await self._model_cards()
         return web.Response(
-            body=orjson.dumps({"object": "list", "data": cards}),
+            body=orjson.dumps({"object": "list", "data": [self._with_revisions(c) for c in cards]}),
             content_type="application/json",
             headers={"x-pd-models-source": source},
         )
@@ -244,10 +260,14 @@ class Router:
             )
         cards, source = await self._model_cards()
         return web.Response(
-            body=orjson.dumps(cards[0]),
+            body=orjson.dumps(self._with_revisions(cards[0])),
             content_type="application/json",
             headers={"x-pd-models-source": source},
         )
+
+    def _with_revisions(self, card: dict[str, Any]) -> dict[str, Any]:
+        live = {p.name: revision.census(p.healthy) for p in (self.prefill, self.decode)}
+        return {**card, "kv_revisions": live}
 
     async def _model_cards(self) -> tuple[list[dict[str, Any]], str]:
         """The served model's cards and where they come from: ``engine`` (an engine's answer
@@ -347,7 +367,9 @@ class Router:
             self.outcomes.finish(ctx)
             if self.access_log.enabled:
                 duration_ms = round((time.perf_counter() - ctx.t0) * 1000, 2)
-                self.access_log.write(rid, ctx.route, ctx.reason, status, ctx.path, duration_ms)
+                self.access_log.write(
+                    rid, ctx.route, ctx.reason, status, ctx.path, duration_ms, ctx.revision
+                )
 
     async def _admit(
         self, request: web.Request, ctx: Ctx, passthrough: bool = False

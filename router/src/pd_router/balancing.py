@@ -46,3 +46,26 @@ def pick(
         j += 1
     a, b = eps[i], eps[j]
     return a if load(a) <= load(b) else b
+
+
+def pair(
+    decoders: Sequence[Endpoint],
+    prefillers: Sequence[Endpoint],
+    hint: Endpoint | None = None,
+    affinity_key: str | None = None,
+) -> tuple[Endpoint, Endpoint] | None:
+    """A decoder and a prefiller of one KV revision (pd_router.revision.pairs): ``hint`` (the
+    decision's decoder) when a prefiller of its revision is healthy, else the balancer's choice
+    among the decoders that have one; None when no decoder has (both roles mid-rollout)."""
+    revs = {p.revision for p in prefillers if p.revision is not None}
+    if hint is not None and hint.revision in revs:
+        dec: Endpoint | None = hint
+    elif len(revs) == 1 and all(d.revision in revs for d in decoders):
+        dec = pick(decoders, decode_load, affinity_key)  # one revision live: the common case
+    else:
+        dec = pick([d for d in decoders if d.revision in revs], decode_load, affinity_key)
+    if dec is None:
+        return None
+    pre = pick([p for p in prefillers if p.revision == dec.revision], prefill_load)
+    assert pre is not None  # dec.revision is in revs
+    return dec, pre

@@ -1,6 +1,7 @@
 """Endpoint pools: static or DNS discovery (headless Service of a StatefulSet, re-resolved
 periodically), active health checks with thresholds and passive ejection, and what each engine
-says of its KV cache (pd_router.cache_info), read once each time it becomes healthy."""
+says of itself, read each time it comes up healthy, before it takes requests: its KV cache
+(pd_router.cache_info) and its KV-compatibility revision (pd_router.revision)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 
-from pd_router import cache_info
+from pd_router import cache_info, revision
 from pd_router.cache_info import CacheInfo
 from pd_router.config import Health, Pool
 
@@ -26,7 +28,6 @@ class Endpoint:
         "active",
         "base",
         "cache",
-        "cache_asked",
         "consec_bad",
         "consec_ok",
         "ejected_until",
@@ -34,10 +35,12 @@ class Endpoint:
         "generation",
         "healthy",
         "host",
+        "learnt",
         "passive_failures",
         "port",
         "queued_tokens",
         "removed",
+        "revision",
         "tls",
     )
 
@@ -60,7 +63,10 @@ class Endpoint:
         # an empty KV cache (the prefix index starts its picture of it afresh).
         self.generation = 0
         self.cache: CacheInfo | None = None  # what it said of its KV cache (vllm:cache_config_info)
-        self.cache_asked = -1  # the generation it was last asked in
+        # its KV-compatibility revision (pd_router.revision): None = not known, pairs with none
+        self.revision: str | None = None
+        # whether cache and revision were read since it last went down (or was refused)
+        self.learnt = False
 
     def __repr__(self) -> str:
         return f"Endpoint({self.base}, healthy={self.healthy}, active={self.active})"
@@ -73,8 +79,10 @@ class EndpointPool:
         cfg: Pool,
         health: Health,
         on_change: Callable[[EndpointPool], None] | None = None,
+        served: str = "",
     ) -> None:
         self.name = name
+        self.served = served  # model.servedName: the name its revision's name starts with
         self.cfg = cfg
         self.health = health
         self.endpoints: dict[str, Endpoint] = {}
@@ -113,6 +121,7 @@ class EndpointPool:
             ep.ejections += 1
             out = min(h.max_ejection_seconds, h.ejection_seconds * 2 ** (ep.ejections - 1))
             ep.ejected_until = time.monotonic() + out
+            ep.learnt = False  # it may come back restarted
             log.warning(
                 "pool %s: ejected %s after %d failures for %.0f s (ejection %d in a row)",
                 self.name,
@@ -122,6 +131,15 @@ class EndpointPool:
                 ep.ejections,
             )
             self._refresh_healthy()
+
+    def relearn(self, ep: Endpoint) -> None:
+        """``ep`` refused its revision's name: it restarted on other bits since it was asked.
+        It pairs with nothing until its next health check asks it again."""
+        if ep.revision is not None:
+            log.warning("pool %s: %s no longer serves revision %r", self.name, ep.base, ep.revision)
+        ep.revision = None
+        ep.learnt = False
+        self._refresh_healthy()
 
     def report_success(self, ep: Endpoint) -> None:
         if ep.passive_failures or ep.ejections:
@@ -146,6 +164,7 @@ class EndpointPool:
         else:
             ep.consec_bad += 1
             ep.consec_ok = 0
+            ep.learnt = False  # whatever answers next may be another process
             if ep.healthy and ep.consec_bad >= h.unhealthy_threshold:
                 ep.healthy = False
                 log.warning(
@@ -164,29 +183,57 @@ class EndpointPool:
                     await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False
+        if ok and not ep.learnt and not ep.removed:
+            # before it is admitted: a request must not see it with last life's revision
+            await self._learn(ep)
         if not ep.removed:
             self._record_check(ep, ok)
-        if ep.healthy and ep.cache_asked != ep.generation:
-            await self._learn_cache(ep)
 
-    async def _learn_cache(self, ep: Endpoint) -> None:
-        """Read the engine's ``vllm:cache_config_info`` once per healthy generation (an engine
-        that does not export it, or does not answer in time, is not asked again until it
-        becomes healthy anew; meanwhile the router claims none of its cache)."""
+    async def _learn(self, ep: Endpoint) -> None:
+        """Read what the engine says of itself: ``vllm:cache_config_info`` (None: it does not
+        say, and the router claims none of its cache) and its revision (None: its
+        ``/v1/models`` did not answer, and it pairs with nothing; asked again next check)."""
+        cache, rev = await asyncio.gather(self._ask_cache(ep), self._ask_revision(ep))
+        if ep.removed:
+            return
+        ep.cache = cache
+        if cache is None:
+            log.info("pool %s: %s tells nothing of its KV cache", self.name, ep.base)
+        changed = rev != ep.revision
+        ep.revision = rev
+        ep.learnt = rev is not None
+        if changed:
+            log.info("pool %s: %s serves KV revision %r", self.name, ep.base, rev)
+            if ep.healthy:
+                self._refresh_healthy()
+
+    async def _ask_cache(self, ep: Endpoint) -> CacheInfo | None:
         assert self._session is not None
-        ep.cache_asked = gen = ep.generation
-        info = None
         try:
             async with asyncio.timeout(self.health.timeout_seconds):
                 async with self._session.get(ep.base + "/metrics") as resp:
                     if resp.status == 200:
-                        info = cache_info.parse(await resp.text())
+                        return cache_info.parse(await resp.text())
         except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
-            info = None
-        if ep.generation == gen:
-            ep.cache = info
-            if info is None:
-                log.info("pool %s: %s tells nothing of its KV cache", self.name, ep.base)
+            pass
+        return None
+
+    async def _ask_revision(self, ep: Endpoint) -> str | None:
+        assert self._session is not None
+        try:
+            async with asyncio.timeout(self.health.timeout_seconds):
+                async with self._session.get(ep.base + "/v1/models") as resp:
+                    if resp.status != 200:
+                        log.warning(
+                            "pool %s: %s/v1/models answered %d", self.name, ep.base, resp.status
+                        )
+                        return None
+                    return revision.from_models(orjson.loads(await resp.read()), self.served)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("pool %s: %s/v1/models failed: %r", self.name, ep.base, exc)
+        except ValueError as exc:  # orjson's error is one too
+            log.warning("pool %s: %s/v1/models: %s", self.name, ep.base, exc)
+        return None
 
     async def check_all(self, eps: list[Endpoint] | None = None) -> None:
         eps = list(self.endpoints.values()) if eps is None else eps

@@ -15,7 +15,8 @@ import aiohttp
 # What a call to an engine can raise (the lean client's UpstreamError is an OSError).
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
-Kind = Literal["connect", "timeout", "5xx", "stream", "bad_response", "no_decoder"]
+# "revision": the engine refused the KV revision's model name it was sent (pd_router.revision)
+Kind = Literal["connect", "timeout", "5xx", "stream", "bad_response", "no_decoder", "revision"]
 
 
 class LegError(Exception):

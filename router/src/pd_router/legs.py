@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pd_router import balancing
+from pd_router import balancing, revision
 from pd_router.config import Timeouts
 from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
@@ -142,6 +142,7 @@ class Legs:
         prefer: Endpoint | None = None,
         exclude: Sequence[Endpoint] = (),
         retry_data: bytes | None = None,
+        named: bool = False,
     ) -> tuple[Response, Endpoint]:
         """Open a response on a decoder: ``prefer`` first (the one holding a KV), then the
         balancer's choice, retrying other decoders on failures before the first byte (connect
@@ -149,7 +150,10 @@ class Legs:
         (and a failed ``prefer``) are avoided while another healthy decoder remains, then tried
         once. An upstream 4xx is returned as is. ``retry_data``: what retries send instead of
         ``data`` (the route becomes ``fallback``); with it, a decoder already tried gets it
-        once when no other is left. Raises the last :class:`LegError`."""
+        once when no other is left. ``named``: ``data`` names a KV revision's model
+        (pd_router.revision), so a 404 is the decoder refusing that revision: it is asked its
+        revision anew and ``retry_data`` goes out instead (fallback ``no_revision_pair``).
+        Raises the last :class:`LegError`."""
         pool = self.decode_pool
         out = self.outcomes
         idle = self.t.stream_idle_seconds if stream else self.t.first_byte_seconds
@@ -180,12 +184,20 @@ class Legs:
                 out.retry("decode")
                 if retry_data is not None and data is not retry_data:
                     data = retry_data
-                    out.fallback(ctx, "decode_retry")
+                    if last is not None and last.kind == "revision":
+                        out.fallback(ctx, "no_revision_pair")
+                    else:
+                        out.fallback(ctx, "decode_retry")
             tried.append(ep)
             try:
-                resp = await self._try_decoder(ctx, ep, path, data, stream, idle)
+                resp = await self._try_decoder(
+                    ctx, ep, path, data, stream, idle, named and data is not retry_data
+                )
             except LegError as err:
-                pool.report_failure(ep)
+                if err.kind == "revision":
+                    pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
+                else:
+                    pool.report_failure(ep)
                 out.upstream("decode", err.kind)
                 if err.kind != "5xx":
                     log.warning(
@@ -194,10 +206,18 @@ class Legs:
                 last = err
                 continue
             pool.report_success(ep)
+            ctx.revision = ep.revision or ""
             return resp, ep
 
     async def _try_decoder(
-        self, ctx: Ctx, ep: Endpoint, path: str, data: bytes, stream: bool, idle: float
+        self,
+        ctx: Ctx,
+        ep: Endpoint,
+        path: str,
+        data: bytes,
+        stream: bool,
+        idle: float,
+        named: bool = False,
     ) -> Response:
         """One try. A stream is only handed on once it has begun (:func:`stream_opening`: vLLM
         sends the headers at once, then the role, then the first token), so a decoder that
@@ -218,6 +238,10 @@ class Legs:
             except UPSTREAM_ERRORS:
                 body = b""
             raise LegError("5xx", resp.status, body, resp.headers.get("content-type", ""))
+        if named and resp.status == 404:  # vLLM's "model ... does not exist": not this revision
+            with contextlib.suppress(*UPSTREAM_ERRORS):
+                await resp.read_release()
+            raise LegError("revision", 502)
         if stream and resp.status == 200:
             try:  # firstByteSeconds counts from the request, headers included
                 seen = 0
@@ -278,6 +302,10 @@ class Legs:
         except UPSTREAM_ERRORS as exc:
             raise self.prefill_broken(ep, LegError.of(exc)) from None
         status = r.status
+        if revision.is_refusal(status, body, self.served):
+            self.outcomes.upstream("prefill", "revision")
+            self.prefill_pool.relearn(ep)  # it runs other bits than it said: ask it again
+            raise Fallback("no_revision_pair")
         if 400 <= status < 500:
             raise Fallback("prefill_refused")
         if status != 200:

@@ -164,7 +164,14 @@ class AccessLog:
         self._stamp = ""
 
     def write(
-        self, rid: str, route: str, reason: str, status: int, path: str, duration_ms: float
+        self,
+        rid: str,
+        route: str,
+        reason: str,
+        status: int,
+        path: str,
+        duration_ms: float,
+        kv_revision: str = "",
     ) -> None:
         now = time.time()
         second = int(now)
@@ -182,6 +189,7 @@ class AccessLog:
             "status": status,
             "path": path,
             "duration_ms": duration_ms,
+            "kv_revision": kv_revision,  # the answering decoder's (pd_router.revision)
         }
         data = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
         if self._fd is None:

@@ -38,7 +38,7 @@ ROUTES_OUTCOMES = (
 FallbackReason = Literal[
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
-    "reasoning_parser", "prefill_refused",
+    "reasoning_parser", "prefill_refused", "no_revision_pair",
 ]  # fmt: skip
 FALLBACK_REASONS: tuple[FallbackReason, ...] = get_args(FallbackReason)
 # ... of which the request is the cause, not a broken hand-off (the chart's
@@ -46,6 +46,9 @@ FALLBACK_REASONS: tuple[FallbackReason, ...] = get_args(FallbackReason)
 CLIENT_CAUSED: tuple[FallbackReason, ...] = (
     "unsupported_fields", "unknown_max_tokens", "too_long", "reasoning_parser", "prefill_refused",
 )  # fmt: skip
+# ... that a rollout of both roles causes while it lasts, with an alert of their own that waits
+# longer (PDInferenceNoRevisionPair), so PDInferenceFallbackShareHigh leaves them out too
+ROLLOUT: tuple[FallbackReason, ...] = ("no_revision_pair",)
 REJECT_REASONS = ("queue_full", "queue_timeout")
 # pd_router_decisions_total{route, reason}: what pd_router.decide returns (a fallback is counted
 # with route fallback and its FALLBACK_REASONS reason)
@@ -163,6 +166,14 @@ class Metrics:
             "pd_router_endpoints",
             "Known endpoints by pool",
             ["pool"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.kv_revisions = Gauge(
+            "pd_router_kv_revision_endpoints",
+            "Healthy endpoints by pool and KV-compatibility revision (pd_router.revision; "
+            'revision "" names none, "unknown" not read yet); a revision gone reads 0',
+            ["pool", "revision"],
             registry=r,
             multiprocess_mode="livemax",
         )

@@ -59,6 +59,7 @@ class Ctx:
         "ptok",
         "raw",
         "reason",
+        "revision",
         "rid",
         "route",
         "stream",
@@ -77,6 +78,7 @@ class Ctx:
         self.route = DIRECT
         self.reason = ""  # why it went there: decide.REASONS, or the fallback's reason
         self.decoder: Endpoint | None = None  # the decision's decoder (legs prefer it)
+        self.revision = ""  # KV revision of the decoder that answered (pd_router.revision)
         self.t0 = time.perf_counter()
         # how it went, counted once by Outcomes.finish: the pd_router_requests_total outcome
         # ("" until known), when the first token and the end reached the client (0: not yet)
@@ -91,7 +93,10 @@ class Ctx:
         self.ids: list[int] | None = None  # prompt token ids when known (reused by LMCache)
 
     def reply_headers(self) -> dict[str, str]:
-        return {"x-pd-route": self.route, "x-pd-reason": self.reason, "x-request-id": self.rid}
+        h = {"x-pd-route": self.route, "x-pd-reason": self.reason, "x-request-id": self.rid}
+        if self.revision:
+            h["x-pd-kv-revision"] = self.revision
+        return h
 
 
 class Outcomes:

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from pd_router import handoff
+from pd_router import handoff, revision
 from pd_router.config import Health, Pool, RouterConfig
 from pd_router.discovery import EndpointPool
 from pd_router.handoff.lmcache_notify import Ticket
@@ -193,6 +193,7 @@ def pool(name: str, *ports: int) -> EndpointPool:
     p.set_endpoints([f"http://127.0.0.1:{port}" for port in ports])
     for ep in p.endpoints.values():
         ep.healthy = True
+        ep.revision = revision.NONE  # as discovery learns of an engine that names none
     p._refresh_healthy()
     return p
 

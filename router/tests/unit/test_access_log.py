@@ -16,7 +16,7 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
     with open(out, "w") as f:
         access = AccessLog(logger, f)
         assert access.enabled
-        access.write("rid-1", "direct", "prefix_cached", 200, "/v1/completions", 1.25)
+        access.write("rid-1", "direct", "prefix_cached", 200, "/v1/completions", 1.25, "0a1b2c3d")
     line = json.loads(out.read_text())
     record = logging.LogRecord("pd_router", logging.INFO, __file__, 1, "request", None, None)
     for k, v in {
@@ -26,6 +26,7 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
         "status": 200,
         "path": "/v1/completions",
         "duration_ms": 1.25,
+        "kv_revision": "0a1b2c3d",
     }.items():
         setattr(record, k, v)
     expected = json.loads(JsonFormatter().format(record))

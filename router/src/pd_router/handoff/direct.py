@@ -25,13 +25,19 @@ class DirectRoute:
         return await self.send(ctx, down, ctx.raw)
 
     async def send(
-        self, ctx: Ctx, down: Downstream, data: bytes, retry_data: bytes | None = None
+        self,
+        ctx: Ctx,
+        down: Downstream,
+        data: bytes,
+        retry_data: bytes | None = None,
+        named: bool = False,
     ) -> web.StreamResponse:
-        """``data`` to a decoder (retries send ``retry_data`` when given), relayed back."""
+        """``data`` to a decoder (retries send ``retry_data`` when given; ``named``: ``data``
+        names a KV revision, Legs.open_decoder), relayed back."""
         legs = self.legs
         try:
             resp, ep = await legs.open_decoder(
-                ctx, ctx.path, data, ctx.stream, retry_data=retry_data
+                ctx, ctx.path, data, ctx.stream, retry_data=retry_data, named=named
             )
         except LegError as err:
             return legs.fail(ctx, down, err)

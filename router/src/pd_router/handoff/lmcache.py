@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pd_router import balancing
+from pd_router import balancing, revision
 from pd_router.config import LMCache
 from pd_router.discovery import Endpoint
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
@@ -274,14 +274,17 @@ class LMCacheRoute:
             raise Fallback("unsupported_fields")
         if ctx.chat and self.reasoning:
             raise Fallback("reasoning_parser")
-        pre = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
-        if pre is None:
+        if not legs.prefill_pool.healthy:
             raise Fallback("no_prefiller")
-        dec = ctx.decoder or balancing.pick(
-            legs.decode_pool.healthy, balancing.decode_load, ctx.affinity
+        chosen = balancing.pair(
+            legs.decode_pool.healthy, legs.prefill_pool.healthy, ctx.decoder, ctx.affinity
         )
-        if dec is None:
-            raise LegError.no_decoder()
+        if chosen is None:
+            if ctx.decoder is None and not legs.decode_pool.healthy:
+                raise LegError.no_decoder()
+            raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
+        dec, pre = chosen
+        ctx.decoder = dec
         ids = ctx.ids
         if ids is None and legs.max_model_len is not None:
             # the prefill leg's answer gives the ids; the lengths are checked then
@@ -345,6 +348,8 @@ class LMCacheRoute:
             return await self._first_only(ctx, down, sid, created, first, len(first.ids))
         landed = await self._await_kv(ctx, plan, ticket, t0)
         body = decode_body(ctx.body, first.ids, first.tok, plan.max_tokens, ctx.stream)
+        if landed:  # its revision's name: a decoder restarted on other bits refuses it
+            body = revision.leg_model(body, legs.served, plan.dec.revision)
         data = orjson.dumps(body)
         hold.release()  # the decode leg counts itself from here on
         return await self._decode(ctx, down, plan, landed, data, sid, created, first.text)
@@ -383,6 +388,7 @@ class LMCacheRoute:
         body = prefill_body(
             ctx.body, plan.ids, req_id, plan.dec.host, lm.decoder_init_ports, lm.decoder_alloc_ports
         )
+        body = revision.leg_model(body, legs.served, plan.pre.revision)
         # ids known: a completion of them; else the client's own endpoint, asking for them
         path = DECODE_PATH if plan.ids is not None or not ctx.chat else ctx.path
         # its success is reported once the KV landed (_await_kv): reported here, it would reset
@@ -440,7 +446,12 @@ class LMCacheRoute:
         try:
             if landed:
                 resp, dep = await legs.open_decoder(
-                    ctx, DECODE_PATH, data, ctx.stream, prefer=plan.dec
+                    ctx,
+                    DECODE_PATH,
+                    data,
+                    ctx.stream,
+                    prefer=plan.dec,
+                    named=bool(plan.dec.revision),
                 )
             else:
                 resp, dep = await legs.open_decoder(

@@ -19,7 +19,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pd_router import balancing
+from pd_router import balancing, revision
+from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
 from pd_router.legs import Downstream, Legs
 from pd_router.lengths import lower_min_tokens, min_tokens_above, requested_max_tokens
@@ -81,21 +82,35 @@ class NixlRoute:
         if min_tokens_above(body, requested_max_tokens(body, ctx.chat)):
             # invalid as sent (vLLM answers 400): no prefill for it
             raise Fallback("unsupported_fields")
-        ep = balancing.pick(legs.prefill_pool.healthy, balancing.prefill_load)
-        if ep is None:
+        if not legs.prefill_pool.healthy:
             raise Fallback("no_prefiller")
+        chosen = balancing.pair(
+            legs.decode_pool.healthy, legs.prefill_pool.healthy, ctx.decoder, ctx.affinity
+        )
+        if chosen is None:
+            if not legs.decode_pool.healthy:
+                raise LegError.no_decoder()
+            raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
+        # (the prefix index was told of the decision's decoder; another one is chosen only
+        # while both roles roll)
+        dec, ep = chosen
+        ctx.decoder = dec
         ctx.route = DISAGG
         t0 = time.perf_counter()
         # prefiller load: the prompt length as the decision saw it, else bytes / 4
         ntok = ctx.ptok or len(ctx.raw) // 4
-        answer = await legs.prefill(ctx, ep, ctx.path, prefill_body(body), ntok)
+        pbody = revision.leg_model(prefill_body(body), legs.served, ep.revision)
+        answer = await legs.prefill(ctx, ep, ctx.path, pbody, ntok)
         kvp = decode_params(answer)
         if kvp is None:
             legs.outcomes.upstream("prefill", "no_kv_params")
             raise Fallback("no_kv_params")
         legs.outcomes.handoff_wait("nixl", time.perf_counter() - t0)
-        data = orjson.dumps(decode_body(body, kvp))
+        kvbody = decode_body(body, kvp)
+        dbody = revision.leg_model(kvbody, legs.served, dec.revision)
         # A retry goes out without the hand-off: the failed decoder may already have pulled
         # the blocks, and the prefiller frees them once pulled (vLLM v0.11 NixlConnector), so
         # the next decoder recomputes the prompt instead of reading blocks that may be reused.
-        return await self.direct.send(ctx, down, data, retry_data=ctx.raw)
+        return await self.direct.send(
+            ctx, down, orjson.dumps(dbody), retry_data=ctx.raw, named=dbody is not kvbody
+        )

@@ -22,6 +22,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
     p.add_argument("--model", default="llama-3.3-70b")
+    p.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        help="a further served name (vLLM --served-model-name: its later names); repeatable",
+    )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--kv-connector", choices=["none", "nixl", "lmcache"], default="none")
     p.add_argument("--lmcache-role", choices=["sender", "receiver"], default="sender")
@@ -89,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         host=a.host,
         port=a.port,
         model=a.model,
+        aliases=tuple(a.alias),
         max_model_len=a.max_model_len,
         kv_connector=a.kv_connector,
         lmcache_role=a.lmcache_role,

@@ -434,7 +434,9 @@ def require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def parse(body: Any, chat: bool, model: str, max_model_len: int, version: str) -> Request:
+def parse(
+    body: Any, chat: bool, names: tuple[str, ...], max_model_len: int, version: str
+) -> Request:
     """Validate a /v1/completions or /v1/chat/completions body as vLLM does; raises
     ``ApiError`` with vLLM's answer."""
     require_object(body)
@@ -498,7 +500,7 @@ def parse(body: Any, chat: bool, model: str, max_model_len: int, version: str) -
     return_ids = f.get("return_token_ids", "bool", None)  # ``bool | None = None`` on both
     if f.errors:
         raise validation_error(f.errors)
-    if mdl and mdl != model:
+    if mdl and mdl not in names:
         raise not_found_model(mdl)
 
     # renderers/params.py TokenizeParams (0.31/0.33 build_tok_params): the requested output

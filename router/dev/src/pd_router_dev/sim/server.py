@@ -102,6 +102,9 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 0
     model: str = "llama-3.3-70b"
+    # further served names (vLLM ``--served-model-name A B ...``: every name is accepted and
+    # listed in /v1/models, the first is the one answers carry; serve/engine/serving.py 0.31)
+    aliases: tuple[str, ...] = ()
     max_model_len: int = 32768
     kv_connector: str = "none"  # none | nixl | lmcache
     lmcache_role: str = "sender"  # sender | receiver
@@ -183,6 +186,7 @@ class SimEngine:
         if cfg.vllm_version not in P.VERSIONS:
             raise ValueError(f"vllm_version must be one of {P.VERSIONS}")
         self.cfg = cfg
+        self.names = (cfg.model, *cfg.aliases)  # every served name; answers carry the first
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.state: dict[str, Any] = {"fault": cfg.fault, "fault_count": -1}
         caching = cfg.prefix_cache_tokens // BLOCK_SIZE > 1
@@ -264,8 +268,12 @@ class SimEngine:
         # base model, ``root`` its path, one default ModelPermission
         # (entrypoints/serve/engine/protocol.py ModelCard / ModelPermission)
         now = int(time.time())
-        card = {
-            "id": self.cfg.model,
+        cards = [self._card(name, now) for name in self.names]
+        return _json({"object": "list", "data": cards})
+
+    def _card(self, name: str, now: int) -> dict[str, Any]:
+        return {
+            "id": name,
             "object": "model",
             "created": now,
             "owned_by": "vllm",
@@ -289,7 +297,6 @@ class SimEngine:
                 }
             ],
         }
-        return _json({"object": "list", "data": [card]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         if self.state["fault"] == "tokenize_error":
@@ -299,7 +306,7 @@ class SimEngine:
             raw = await request.read()
             body = P.require_object(P.decode_body(raw, request.headers.get("Content-Type", "")))
             mdl = body.get("model")
-            if isinstance(mdl, str) and mdl and mdl != self.cfg.model:
+            if isinstance(mdl, str) and mdl and mdl not in self.names:
                 raise P.not_found_model(mdl)  # serve/tokenize/serving.py: _check_model
             if "messages" in body:
                 toks = M.apply_chat_template(
@@ -334,7 +341,7 @@ class SimEngine:
                     err = P.FieldError("missing", ("tokens",), "Field required", body)
                 raise P.validation_error([err])
             mdl = body.get("model")
-            if isinstance(mdl, str) and mdl and mdl != self.cfg.model:
+            if isinstance(mdl, str) and mdl and mdl not in self.names:
                 raise P.not_found_model(mdl)
         except P.ApiError as exc:
             return _error(exc)
@@ -451,7 +458,7 @@ class SimEngine:
         c = self.cfg
         try:
             body = P.decode_body(raw, request.headers.get("Content-Type", ""))
-            req = P.parse(body, chat, c.model, c.max_model_len, c.vllm_version)
+            req = P.parse(body, chat, self.names, c.max_model_len, c.vllm_version)
         except P.ApiError as exc:
             return _error(exc)
         self.requests.append(
