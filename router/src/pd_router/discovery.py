@@ -223,6 +223,8 @@ class EndpointPool:
         try:
             async with asyncio.timeout(self.health.timeout_seconds):
                 async with self._session.get(ep.base + "/v1/models") as resp:
+                    if resp.status == 404:  # no models list: not vLLM, names no revision
+                        return revision.NONE
                     if resp.status != 200:
                         log.warning(
                             "pool %s: %s/v1/models answered %d", self.name, ep.base, resp.status
