@@ -42,6 +42,12 @@ ENGINE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     **LMCACHE_RENDERS,
 }
 ROLES = ("prefill", "decode")
+# Renders only the real-engine tier runs (tests/real_engine/test_real_revision.py): the dev
+# environment at two model revisions, one KV revision each.
+REVISIONS = ("1" * 40, "2" * 40)
+REAL_ONLY_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    f"env:dev revision {i}": (LAYERINGS["env:dev"], (f"model.revision={rev}",)) for i, rev in enumerate(REVISIONS)
+}
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,17 @@ class Engine:
     def kv_transfer_config(self) -> dict[str, Any]:
         return json.loads(self.args[self.args.index("--kv-transfer-config") + 1])
 
+    @property
+    def served_names(self) -> list[str]:
+        """``--served-model-name``'s values: the served name, then its KV revision's."""
+        i = self.args.index("--served-model-name") + 1
+        j = next((k for k in range(i, len(self.args)) if self.args[k].startswith("-")), len(self.args))
+        return self.args[i:j]
+
 
 @functools.cache
 def engines(render: str) -> tuple[Engine, ...]:
-    files, sets = ENGINE_RENDERS[render]
+    files, sets = {**ENGINE_RENDERS, **REAL_ONLY_RENDERS}[render]
     docs = helm.render(helm.helm_binaries()[0], files, sets)
     out = []
     for role in ROLES:

@@ -71,7 +71,9 @@ def test_vllm_serve_accepts_the_rendered_command_line(vllm_version: str, engine:
     assert "error" not in result, result.get("error")
     flags = dict(a.split("=", 1) for a in engine.args if a.startswith("--") and "=" in a)
     assert result["model"] == engine.args[0]
-    assert result["served_model_name"] == [flags["--served-model-name"]]
+    assert result["served_model_name"] == engine.served_names
+    served, kv_name = engine.served_names
+    assert kv_name.startswith(served + "@kv-")
     assert result["tensor_parallel_size"] == int(flags["--tensor-parallel-size"]) == engine.tp
     assert result["max_model_len"] == int(flags["--max-model-len"])
     assert result["gpu_memory_utilization"] == float(flags["--gpu-memory-utilization"])

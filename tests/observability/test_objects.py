@@ -67,7 +67,8 @@ def test_the_servicemonitor_sends_the_metrics_token_only_when_metrics_are_protec
 
 def test_the_fallback_alert_leaves_out_exactly_the_routers_request_caused_reasons(h4: Path) -> None:
     """PDInferenceFallbackShareHigh counts broken hand-offs, not requests the hand-off cannot
-    carry: its exclusion list is the router's CLIENT_CAUSED (pd_router.metrics)."""
+    carry, nor rollouts (an alert of their own): its exclusion list is the router's CLIENT_CAUSED
+    and ROLLOUT (pd_router.metrics)."""
     import re
 
     from pd_router import metrics
@@ -77,4 +78,4 @@ def test_the_fallback_alert_leaves_out_exactly_the_routers_request_caused_reason
     rules = [r for g in helm.one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     (expr,) = [r["expr"] for r in rules if r["alert"] == "PDInferenceFallbackShareHigh"]
     (excluded,) = re.findall(r'reason!~"([^"]+)"', expr)
-    assert sorted(excluded.split("|")) == sorted(metrics.CLIENT_CAUSED)
+    assert sorted(excluded.split("|")) == sorted(metrics.CLIENT_CAUSED + metrics.ROLLOUT)

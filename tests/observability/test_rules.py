@@ -43,6 +43,12 @@ SCENARIOS: dict[str, dict[str, list[tuple[str, str]]]] = {
         "firing": [('vllm:nixl_num_failed_transfers_total{component="decode"}', "0+1x40")],
         "healthy": [('vllm:nixl_num_failed_transfers_total{component="decode"}', "3x40")],
     },
+    # its `for` (thresholds.noRevisionPairFor, 1h) outlasts the others: 100 minutes of series
+    "PDInferenceNoRevisionPair": {
+        "firing": [('pd_router_fallbacks_total{reason="no_revision_pair"}', "0+1x100")],
+        # a rollout's worth of them, then none: over
+        "healthy": [('pd_router_fallbacks_total{reason="no_revision_pair"}', "0+1x20 20x80")],
+    },
     "PDInferenceNoHealthyDecoder": {
         "firing": [('pd_router_healthy_endpoints{pool="decode"}', "0x40")],
         "healthy": [('pd_router_healthy_endpoints{pool="decode"}', "1x40")],
@@ -70,7 +76,14 @@ SCENARIOS: dict[str, dict[str, list[tuple[str, str]]]] = {
         "healthy": [('vllm:num_requests_waiting{component="decode"}', "3x40")],
     },
 }  # fmt: skip
-EVAL_AT = "35m"  # past every alert's window plus its `for`
+EVAL_AT = "35m"  # past every alert's window plus its `for` ...
+
+
+def _eval_at(rule: dict[str, Any]) -> str:
+    """... or, for an alert whose `for` is longer than 20 minutes, 15 minutes past it."""
+    m = re.fullmatch(r"(\d+)([mh])", str(rule.get("for", "")))
+    minutes = int(m[1]) * (60 if m[2] == "h" else 1) if m else 0
+    return f"{minutes + 15}m" if minutes > 20 else EVAL_AT
 
 
 def _rules(live: LiveStack) -> list[dict[str, Any]]:
@@ -142,7 +155,7 @@ def test_each_alert_fires_in_its_scenario_and_not_when_healthy(live: LiveStack, 
                 "name": f"{rule['alert']} {scenario}",
                 "interval": "1m",
                 "input_series": series,
-                "alert_rule_test": [{"eval_time": EVAL_AT, "alertname": rule["alert"], "exp_alerts": expected}],
+                "alert_rule_test": [{"eval_time": _eval_at(rule), "alertname": rule["alert"], "exp_alerts": expected}],
             })  # fmt: skip
     (tmp_path / "tests.yaml").write_text(
         yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": tests}, sort_keys=False)

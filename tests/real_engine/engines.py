@@ -16,6 +16,8 @@ The changes, and why (one list; everything else is the chart's):
   ``FI_PROVIDER``: this machine has no EFA device; KV buffers in host memory (no GPU);
 - the container's preflight (charts/pd-inference/files/preflight.py, as rendered) runs first,
   with the engine stack's Python, and execs the engine as in the pod;
+- ``--revision`` left out: the model is a local folder, whose weights are its revision (a second
+  weight set in another folder stands for another revision);
 - ``--enforce-eager`` (no torch.compile on two cores) and, for the float32 dense model,
   ``--dtype float32`` (vLLM's CPU platform would run it in bfloat16, where greedy answers can
   tie);
@@ -32,6 +34,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -68,28 +71,44 @@ def cpu_build() -> tuple[str, Path]:
     return version, path
 
 
-def model(kind: str) -> Path:
+def model(kind: str, weights: int = 0) -> Path:
     """The tiny model of ``kind`` (dense, hybrid), made once per version of its generator and
-    kept in .tools/engine-models/ (same seeds, same files: a cache, not a download)."""
+    kept in .tools/engine-models/ (same seeds, same files: a cache, not a download).
+    ``weights`` > 0: the same model (config, tokenizer) with other weights, as another revision
+    of it would be; its folder names it, so it is another ``--model`` string too."""
     digest = hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
-    out = MODELS / digest / kind
+    out = MODELS / digest / (kind if weights == 0 else f"{kind}-weights{weights}")
     if (out / "config.json").is_file() and (out / ".done").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / ".done").is_file():
-            made = stack.run("tiny_model.py", {"out": str(out), "kind": kind, "seed": 0}, timeout=600)
+            req = {"out": str(out), "kind": kind, "seed": 0, "weights_seed": weights}
+            made = stack.run("tiny_model.py", req, timeout=600)
             (out / ".done").write_text(json.dumps(made))
     return out
 
 
+_ports = random.Random()
+
+
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range: a port the kernel hands out (bind to 0)
+    may meanwhile become some outgoing connection's source port, and an engine binding it later
+    fails (seen: NIXL's handshake listener, "Address already in use", and the engine hangs)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = _ports.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low}")
 
 
 def metrics_text(base: str, timeout: float = 10) -> str:
@@ -206,15 +225,23 @@ def chart_engine(role: str, render: str = RENDER) -> rendered.Engine:
 
 
 def cpu_command(
-    e: rendered.Engine, kind: str, port: int, side_port: int, core: int, extra: Sequence[str] = ()
+    e: rendered.Engine,
+    kind: str,
+    port: int,
+    side_port: int,
+    core: int,
+    extra: Sequence[str] = (),
+    weights: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """The chart's command line and env for ``e``, changed only as the module docstring lists."""
     version, build = cpu_build()
     args = list(e.args)
     assert not args[0].startswith("-"), args
-    out: list[str] = [f"--model={model(kind)}"]
+    out: list[str] = [f"--model={model(kind, weights)}"]
     it = iter(args[1:])
     for a in it:
+        if a.startswith("--revision="):
+            continue  # a local folder: its weights are the revision
         if a.startswith("--host="):
             a = "--host=127.0.0.1"
         elif a.startswith("--port="):
@@ -265,10 +292,22 @@ def cpu_command(
     return argv, env
 
 
-def engine(role: str, kind: str, core: int, workdir: Path, extra: Sequence[str] = (), render: str = RENDER) -> Engine:
-    port, side = free_port(), free_port()
-    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra)
-    return Engine(role, kind, core, port, side, argv, env, workdir / f"{role}-{kind}-{port}.log", extra=list(extra))
+def engine(
+    role: str,
+    kind: str,
+    core: int,
+    workdir: Path,
+    extra: Sequence[str] = (),
+    render: str = RENDER,
+    weights: int = 0,
+    port: int | None = None,
+) -> Engine:
+    """An engine as ``render`` renders ``role``; ``port``: its HTTP port (a pod replaced in place
+    keeps its name: the router's static pool keeps the address)."""
+    port, side = port or free_port(), free_port()
+    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra, weights)
+    log = workdir / f"{role}-{kind}-w{weights}-{port}-{time.monotonic_ns()}.log"
+    return Engine(role, kind, core, port, side, argv, env, log, extra=list(extra))
 
 
 @contextlib.contextmanager

@@ -66,6 +66,7 @@ class Answer:
     reason: str
     prompt_tokens: int | None
     finish: str | None
+    kv_revision: str = ""  # x-pd-kv-revision: the KV revision of the decoder that answered
 
 
 def client(base: str, **kw: Any) -> openai.OpenAI:
@@ -96,6 +97,7 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
         usage, finish = None, None
         with create(stream=True, **args) as r:
             route, reason = r.headers.get("x-pd-route", ""), r.headers.get("x-pd-reason", "")
+            rev = r.headers.get("x-pd-kv-revision", "")
             for chunk in r.parse():
                 if chunk.usage is not None:
                     usage = chunk.usage.prompt_tokens
@@ -103,7 +105,7 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
                     piece = ch.delta.content if chat else ch.text
                     parts.append(piece or "")
                     finish = ch.finish_reason or finish
-        return Answer("".join(parts), route, reason, usage, finish)
+        return Answer("".join(parts), route, reason, usage, finish, rev)
     raw = create(**args)
     out = raw.parse()
     ch = out.choices[0]
@@ -114,6 +116,7 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
         raw.headers.get("x-pd-reason", ""),
         out.usage.prompt_tokens,
         ch.finish_reason,
+        raw.headers.get("x-pd-kv-revision", ""),
     )
 
 

@@ -37,7 +37,7 @@ def test_lmcache_pd_does_not_run_on_vllms_cpu_build(workdir: Path, pairs: Pairs)
     (work / "lmcache.yaml").write_text(yaml.safe_dump(cfg))
     dec = engines.engine("decode", "dense", 1, work, render=RENDER)
     dec.env["LMCACHE_CONFIG_FILE"] = str(work / "lmcache.yaml")
-    served = next(a for a in dec.argv if a.startswith("--served-model-name=")).split("=", 1)[1]
+    served = dec.argv[dec.argv.index("--served-model-name") + 1]
     with engines.running([dec]):
         status, body, _ = engines.post(dec.url, "/v1/completions", {"model": served, "prompt": "hi", "max_tokens": 2})
         log = dec.log_tail(10**7)

@@ -3,7 +3,7 @@ and now from fixed seeds (no hub, ever): a byte-level BPE tokenizer trained on a
 with a ChatML chat template that renders the system prompt, then the tools, then the messages (as
 Qwen3's template does), and random weights.
 
-stdin:  {"out": DIR, "kind": "dense" | "hybrid", "seed": INT}
+stdin:  {"out": DIR, "kind": "dense" | "hybrid", "seed": INT, "weights_seed": INT (default: seed)}
 stdout: {"path": DIR, "vocab": N, "parameters": N, "dtype": "..."}
 
 - `dense`: Llama-style (LlamaForCausalLM), float32: exact ties between the two likeliest tokens
@@ -341,6 +341,8 @@ def write_weights(out: Path, cfg: dict, kind: str, seed: int) -> int:
 def main() -> None:
     req = json.load(sys.stdin)
     out, kind, seed = Path(req["out"]), req["kind"], int(req.get("seed", 0))
+    # another weights seed with the same tokenizer: another revision of one model
+    weights_seed = int(req.get("weights_seed", seed))
     out.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(out, seed)
     from tokenizers import Tokenizer
@@ -350,7 +352,7 @@ def main() -> None:
     cfg = (dense_config if kind == "dense" else hybrid_config)(vocab, eos, pad)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
-    n = write_weights(out, cfg, kind, seed)
+    n = write_weights(out, cfg, kind, weights_seed)
     print(json.dumps({"path": str(out), "vocab": vocab, "parameters": n, "dtype": cfg["torch_dtype"]}))
 
 
