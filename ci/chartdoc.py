@@ -96,7 +96,17 @@ def _lmcache_extra_config() -> dict[str, Any]:
 
 # Kubernetes syntax (apimachinery validation): DNS-1123 subdomains (Secret names), labels, keys.
 DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
-QUANTITY = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([EPTGMk]i?|[numkMGTPE]|m)?$"}
+# A non-negative Kubernetes quantity (apimachinery resource.ParseQuantity): a decimal number, then a
+# decimal SI suffix (n u m k M G T P E), a binary one (Ki Mi Gi Ti Pi Ei) or an exponent (e3, E-2).
+# One pattern for the chart's own quantities (`type=quantity`) and, patched into Kubernetes' Quantity
+# definition (`_k8s_definitions`), for every pass-through that holds one (each `resources` block,
+# `extraVolumes`): Kubernetes' OpenAPI schema says only "string or number", and a malformed one
+# rendered fine and was refused only at apply.
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
+QUANTITY = {"type": "string", "pattern": QUANTITY_PATTERN}
+K8S_QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+# A Kubernetes label value: at most 63 characters, alphanumeric at both ends, '-', '_', '.' inside.
+LABEL_VALUE = {"type": "string", "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"}
 # Shared types for `# @schema type=<name>`. Label keys are checked in templates/_validate.tpl (a
 # propertyNames error would not name the field).
 TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
@@ -107,10 +117,9 @@ TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     "secretName": {"type": "string", "pattern": rf"^({DNS_SUBDOMAIN})?$", "maxLength": 253},
     "secretKey": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$", "maxLength": 253},
     # a map of Kubernetes label values
-    "labels": {
-        "type": "object",
-        "additionalProperties": {"type": "string", "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"},
-    },
+    "labels": {"type": "object", "additionalProperties": LABEL_VALUE},
+    # one value the chart puts in a label or node selector (placement.zone, instanceType), or ""
+    "labelValue": LABEL_VALUE,
     # a map of free strings (annotations, Prometheus alert labels)
     "stringMap": {"type": "object", "additionalProperties": {"type": "string"}},
     "imageDigest": {"type": "string", "pattern": r"^(sha256:[a-f0-9]{64})?$"},
@@ -125,6 +134,14 @@ TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     "httpUrl": {"pattern": r"^(https?://[^\s/?#]+(/[^\s?#]*)?)?$"},
     # a Prometheus duration
     "duration": {"pattern": "^[0-9]+(ms|s|m|h)$"},
+    # a name Kubernetes checks as a DNS-1123 subdomain (ValidatePodSpec: NameIsDNSSubdomain for
+    # priorityClassName and runtimeClassName; k8s.io/kubernetes v1.37.2
+    # pkg/apis/core/validation/validation.go), or "" for not rendered
+    "optionalDnsSubdomain": {
+        "type": "string",
+        "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?$",
+        "maxLength": 253,
+    },
     "dnsSubdomainList": {
         "type": "array",
         "items": {"type": "string", "minLength": 1, "pattern": rf"^{DNS_SUBDOMAIN}$"},
@@ -382,6 +399,12 @@ def _k8s_definitions(roots: set[str]) -> dict[str, Any]:
             .replace("/api/_definitions.json#/$defs/", "#/definitions/")
             .replace('"#/$defs/', '"#/definitions/')
         )
+        if name == K8S_QUANTITY:
+            # Kubernetes' "string or number", with the chart's quantity pattern on the string.
+            definition = {
+                "description": "A Kubernetes quantity (4, 500m, 32Gi, 1e3); the pattern is the chart's (ci/chartdoc.py).",
+                "anyOf": [QUANTITY, {"type": "number", "minimum": 0}, {"type": "null"}],
+            }
         wanted[name] = definition
         todo.extend(re.findall(r'"#/definitions/([^"]+)"', json.dumps(definition)))
     return dict(sorted(wanted.items()))

@@ -317,6 +317,172 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "efa:\n  enabled: true\n  devices: 1\ndecode:\n  instanceType: g6.2xlarge\n",
         ("efa.enabled", "g6.2xlarge has no EFA"),
     ),
+    # --- issue 22: bad values that passed `helm template` and failed at apply, at pod start or never ---
+    # a. quantities: every resources block (the schema's Kubernetes Quantity carries the pattern)
+    "sidecar_memory_limit_not_a_quantity": (
+        "kvTransfer:\n  lmcache:\n    sidecar:\n      resources:\n        limits: {memory: 256 megs}\n",
+        ("/kvTransfer/lmcache/sidecar/resources/limits/memory",),
+    ),
+    "metrics_proxy_cpu_request_not_a_quantity": (
+        "engine:\n  metricsProxy:\n    resources:\n      requests: {cpu: one}\n",
+        ("/engine/metricsProxy/resources/requests/cpu",),
+    ),
+    "router_memory_limit_not_a_quantity": (
+        "router:\n  resources:\n    limits: {memory: 1GB}\n",
+        ("/router/resources/limits/memory",),
+    ),
+    "extra_volume_size_limit_not_a_quantity": (
+        "engine:\n  extraVolumes: [{name: scratch, emptyDir: {sizeLimit: 10 GiB}}]\n",
+        ("/engine/extraVolumes/0/emptyDir/sizeLimit",),
+    ),
+    # the shared quantity pattern took `ki` (Kubernetes: Ki) and refused 512Ki
+    "quantity_with_a_lower_case_binary_suffix": ("efa:\n  hugepages2Mi: 5120ki\n", ("/efa/hugepages2Mi",)),
+    "sidecar_memory_request_above_its_limit": (
+        "kvTransfer:\n  lmcache:\n    sidecar:\n      resources:\n"
+        "        requests: {memory: 1Gi}\n        limits: {memory: 256Mi}\n",
+        ("kvTransfer.lmcache.sidecar.resources.requests.memory", "1Gi", "256Mi"),
+    ),
+    "metrics_proxy_memory_request_above_its_limit": (
+        "engine:\n  metricsProxy:\n    resources:\n      requests: {memory: 128Mi}\n      limits: {memory: 64Mi}\n",
+        ("engine.metricsProxy.resources.requests.memory",),
+    ),
+    # b. values that become label values (node selectors)
+    "zone_not_a_label_value": ("placement:\n  zone: us east 1a\n", ("/placement/zone",)),
+    "zone_over_63_characters": ("placement:\n  zone: " + "z" * 64 + "\n", ("/placement/zone",)),
+    "prefill_instance_type_not_a_label_value": ("prefill:\n  instanceType: p5.48xlarge/\n", ("/prefill/instanceType",)),
+    "decode_instance_type_not_a_label_value": ("decode:\n  instanceType: 'p5 48xlarge'\n", ("/decode/instanceType",)),
+    # c. root where every container says runAsNonRoot: true
+    "engine_run_as_root_with_run_as_non_root": (
+        "engine:\n  podSecurityContext: {runAsUser: 0, runAsNonRoot: true}\n",
+        ("engine.podSecurityContext.runAsUser", "runAsNonRoot"),
+    ),
+    "router_run_as_root_with_run_as_non_root": (
+        "router:\n  podSecurityContext: {runAsUser: 0}\n",
+        ("router.podSecurityContext.runAsUser", "runAsNonRoot"),
+    ),
+    # the pod's runAsNonRoot: false does not help: every container sets it true
+    "router_run_as_root_with_the_pods_run_as_non_root_off": (
+        "router:\n  podSecurityContext: {runAsUser: 0, runAsNonRoot: false}\n",
+        ("router.podSecurityContext.runAsUser", "every container"),
+    ),
+    # d. a check's timeout longer than its interval
+    "router_health_timeout_longer_than_its_interval": (
+        "router:\n  health: {intervalSeconds: 5, timeoutSeconds: 10}\n",
+        ("router.health.timeoutSeconds", "router.health.intervalSeconds (5)"),
+    ),
+    "readiness_probe_timeout_longer_than_its_period": (
+        "engine:\n  probes:\n    readiness: {periodSeconds: 10, timeoutSeconds: 30}\n",
+        ("engine.probes.readiness.timeoutSeconds", "engine.probes.readiness.periodSeconds (10)"),
+    ),
+    "liveness_probe_timeout_longer_than_its_period": (
+        "engine:\n  probes:\n    liveness: {periodSeconds: 5}\n",
+        ("engine.probes.liveness.timeoutSeconds", "engine.probes.liveness.periodSeconds (5)"),
+    ),
+    "startup_probe_timeout_longer_than_its_period": (
+        "engine:\n  probes:\n    startup: {periodSeconds: 2, timeoutSeconds: 5, failureThreshold: 900}\n",
+        ("engine.probes.startup.timeoutSeconds",),
+    ),
+    "preflight_deadline_past_the_startup_window": (
+        "engine:\n  preflight: {timeoutSeconds: 600}\n  probes:\n    startup: {periodSeconds: 10, failureThreshold: 30}\n",
+        ("engine.preflight.timeoutSeconds", "300 s"),
+    ),
+    # e. the legacy zone and region labels, in node selectors and required node affinity
+    "pinned_zone_vs_legacy_node_selector": (
+        "placement:\n  zone: us-east-1a\ndecode:\n  nodeSelector:\n    failure-domain.beta.kubernetes.io/zone: us-east-1b\n",
+        ("decode.nodeSelector", "failure-domain.beta.kubernetes.io/zone=us-east-1b", "placement.zone"),
+    ),
+    "pinned_zone_vs_legacy_affinity": (
+        "placement:\n  zone: us-east-1a\nprefill:\n  affinity:\n    nodeAffinity:\n"
+        "      requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n"
+        "          - matchExpressions:\n"
+        "              - {key: failure-domain.beta.kubernetes.io/zone, operator: In, values: [us-east-1c]}\n",
+        ("prefill.affinity", "failure-domain.beta.kubernetes.io/zone", "placement.zone"),
+    ),
+    "pinned_zone_vs_legacy_affinity_not_in": (
+        "placement:\n  zone: us-east-1a\ndecode:\n  affinity:\n    nodeAffinity:\n"
+        "      requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n"
+        "          - matchExpressions:\n"
+        "              - {key: failure-domain.beta.kubernetes.io/zone, operator: NotIn, values: [us-east-1a]}\n",
+        ("decode.affinity", "NotIn", "placement.zone"),
+    ),
+    "legacy_region_selector_contradicts_the_zone": (
+        "placement:\n  zone: us-east-1a\nprefill:\n  nodeSelector: {failure-domain.beta.kubernetes.io/region: eu-west-1}\n",
+        ("prefill.nodeSelector", "failure-domain.beta.kubernetes.io/region=eu-west-1", "placement.zone=us-east-1a"),
+    ),
+    "region_affinity_contradicts_the_zone": (
+        "placement:\n  zone: us-east-1a\ndecode:\n  affinity:\n    nodeAffinity:\n"
+        "      requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n"
+        "          - matchExpressions:\n"
+        "              - {key: topology.kubernetes.io/region, operator: In, values: [us-west-2]}\n",
+        ("decode.affinity", "topology.kubernetes.io/region", "placement.zone"),
+    ),
+    "zone_affinity_does_not_exist_with_a_pinned_zone": (
+        "placement:\n  zone: us-east-1a\nprefill:\n  affinity:\n    nodeAffinity:\n"
+        "      requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n"
+        "          - matchExpressions:\n              - {key: topology.kubernetes.io/zone, operator: DoesNotExist}\n",
+        ("prefill.affinity", "DoesNotExist", "placement.zone"),
+    ),
+    # class names, checked as Kubernetes checks them (DNS-1123 subdomains of at most 253; a
+    # scheduler name it does not check, nor does the chart: tests/test_operator_knobs.py)
+    "priority_class_not_a_dns_subdomain": (
+        "prefill:\n  priorityClassName: GPU_High\n",
+        ("/prefill/priorityClassName",),
+    ),
+    "runtime_class_with_an_empty_label": ("decode:\n  runtimeClassName: nvidia..cdi\n", ("/decode/runtimeClassName",)),
+    "router_priority_class_too_long": (f"router:\n  priorityClassName: {'a' * 254}\n", ("/router/priorityClassName",)),
+    "engine_grace_period_shorter_than_the_drain": (
+        "prefill:\n  drainSeconds: 200\n  terminationGracePeriodSeconds: 120\n",
+        ("prefill.terminationGracePeriodSeconds", "prefill.drainSeconds (200 s)"),
+    ),
+    "engine_grace_period_moved_per_role": (
+        "engine:\n  terminationGracePeriodSeconds: 60\n",
+        ("/engine", "terminationGracePeriodSeconds"),
+    ),
+    "negative_dns_cache_seconds": ("engine:\n  drain:\n    dnsCacheSeconds: -1\n", ("/engine/drain/dnsCacheSeconds",)),
+    "decode_drain_negative": ("decode:\n  drainSeconds: -5\n", ("/decode/drainSeconds",)),
+    "router_anti_affinity_not_an_enum": ("router:\n  antiAffinity: always\n", ("/router/antiAffinity",)),
+    "pvc_retention_not_retain_or_delete": (
+        "modelCache:\n  pvc:\n    retentionPolicy:\n      whenScaled: Keep\n",
+        ("/modelCache/pvc/retentionPolicy/whenScaled",),
+    ),
+    "hpa_behavior_unknown_field": (
+        "router:\n  autoscaling:\n    behavior:\n      scaleDown: {window: 60}\n",
+        ("/router/autoscaling/behavior/scaleDown", "window"),
+    ),
+    "hpa_behavior_window_not_a_number": (
+        "decode:\n  autoscaling:\n    behavior:\n      scaleUp: {stabilizationWindowSeconds: soon}\n",
+        ("/decode/autoscaling/behavior/scaleUp/stabilizationWindowSeconds",),
+    ),
+    "keda_polling_interval_zero": (
+        "decode:\n  autoscaling:\n    keda:\n      pollingInterval: 0\n",
+        ("/decode/autoscaling/keda/pollingInterval",),
+    ),
+    "keda_cooldown_negative": (
+        "prefill:\n  autoscaling:\n    keda:\n      cooldownPeriod: -1\n",
+        ("/prefill/autoscaling/keda/cooldownPeriod",),
+    ),
+    "keda_fallback_behavior_not_an_enum": (
+        "decode:\n  autoscaling:\n    keda:\n      fallback: {replicas: 2, behavior: scalingModifiers}\n",
+        ("/decode/autoscaling/keda/fallback/behavior",),
+    ),
+    # the HPA would clamp it to maxReplicas: what runs would not be what the values say
+    "keda_fallback_above_max_replicas": (
+        "metrics:\n  prometheusUrl: http://prometheus:9090\n  podMonitor: {enabled: true}\n"
+        "decode:\n  autoscaling: {enabled: true, kind: keda, minReplicas: 2, maxReplicas: 4, targetWaitingPerReplica: 8,"
+        " keda: {fallback: {replicas: 6}}}\n",
+        ("decode.autoscaling.keda.fallback.replicas", "2..4"),
+    ),
+    "keda_fallback_on_an_hpa": (
+        "prefill:\n  autoscaling: {enabled: true, kind: hpa, metrics: [{type: Resource, resource: {name: cpu,"
+        " target: {type: Utilization, averageUtilization: 80}}}], keda: {fallback: {replicas: 1}}}\n",
+        ("prefill.autoscaling.keda.fallback.replicas", "kind: keda"),
+    ),
+    # KEDA v2.20.2 CheckFallbackValid: no fallback on cpu/memory triggers alone
+    "keda_fallback_with_only_a_cpu_trigger": (
+        "decode:\n  autoscaling: {enabled: true, kind: keda, kedaTriggers: [{type: cpu, metricType: Utilization,"
+        " metadata: {value: '80'}}], keda: {fallback: {replicas: 1}}}\n",
+        ("decode.autoscaling.keda.fallback.replicas", "neither cpu nor memory"),
+    ),
 }
 
 # The same, layered over tests/values/lmcache.yaml (LMCache PD with a full-attention model): the
@@ -392,4 +558,60 @@ def test_lmcache_only_rules_do_not_fire_on_nixl(h4: Path, case: str) -> None:
     """The negative control of the LMCache-only rules: on the NIXL defaults these values render."""
     content, _ = BAD_LMCACHE_VALUES[case]
     result = helm.template(h4, values_yaml=content)
+    assert result.returncode == 0, result.stderr
+
+
+# The negative controls of the issue 22 rules: values next to the refused ones that render.
+GOOD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    # every quantity form Kubernetes parses, in each resources block and a chart quantity
+    "kubernetes_quantity_forms": (
+        (),
+        "prefill:\n  resources:\n    requests: {cpu: 4, memory: 1e10}\n    limits: {memory: 64Gi}\n"
+        "decode:\n  resources:\n    requests: {cpu: '1.5', memory: 32G}\n    limits: {memory: '+64Gi'}\n"
+        "router:\n  resources:\n    requests: {cpu: .5, memory: 512Mi}\n    limits: {cpu: 2000m}\n"
+        "engine:\n  metricsProxy:\n    resources:\n      requests: {cpu: 10m, memory: 32768Ki}\n"
+        "kvTransfer:\n  lmcache:\n    sidecar:\n      resources:\n        requests: {memory: 0.1Gi}\n"
+        "efa:\n  hugepages2Mi: 5Gi\n",
+    ),
+    # a probe timeout equal to its period, a router check timeout equal to its interval
+    "timeouts_equal_to_their_intervals": (
+        (),
+        "engine:\n  probes:\n    readiness: {periodSeconds: 5, timeoutSeconds: 5}\n"
+        "router:\n  health: {intervalSeconds: 2, timeoutSeconds: 2}\n",
+    ),
+    # the preflight's deadline is not checked against the startup window when it does not run
+    "preflight_off_with_a_long_deadline": ((), "engine:\n  preflight: {enabled: false, timeoutSeconds: 3600}\n"),
+    # a non-root UID; runAsGroup 0 is not root
+    "non_root_user_in_group_zero": ((), "engine:\n  podSecurityContext: {runAsUser: 1000, runAsGroup: 0}\n"),
+    # legacy labels that agree with the pinned zone, and node affinity terms (ORed) of which one holds it
+    "legacy_labels_agreeing_with_the_zone": (
+        (),
+        "placement:\n  zone: us-east-1a\ndecode:\n  nodeSelector:\n"
+        "    failure-domain.beta.kubernetes.io/zone: us-east-1a\n"
+        "    failure-domain.beta.kubernetes.io/region: us-east-1\n"
+        "prefill:\n  affinity:\n    nodeAffinity:\n      requiredDuringSchedulingIgnoredDuringExecution:\n"
+        "        nodeSelectorTerms:\n"
+        "          - matchExpressions:\n"
+        "              - {key: failure-domain.beta.kubernetes.io/zone, operator: In, values: [us-east-1c]}\n"
+        "          - matchExpressions:\n"
+        "              - {key: topology.kubernetes.io/zone, operator: NotIn, values: [us-east-1b]}\n"
+        "              - {key: topology.kubernetes.io/region, operator: In, values: [us-east-1]}\n",
+    ),
+    # EFA with the KV staged in host memory: NIXL registers a cpu buffer with LIBFABRIC too, and
+    # instances without GPUDirect RDMA (G-series) need it (docs/values.md, "Allowed on purpose")
+    "efa_with_a_cpu_nixl_buffer": (
+        (),
+        "efa:\n  enabled: true\n  devices: 1\nkvTransfer:\n  nixl:\n    bufferDevice: cpu\n",
+    ),
+    "efa_with_a_cpu_lmcache_buffer": (
+        (LMCACHE,),
+        "efa:\n  enabled: true\n  devices: 1\nkvTransfer:\n  lmcache:\n    bufferDevice: cpu\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GOOD_VALUES)
+def test_values_next_to_the_refused_ones_render(h4: Path, case: str) -> None:
+    base, content = GOOD_VALUES[case]
+    result = helm.template(h4, base, values_yaml=content)
     assert result.returncode == 0, result.stderr

@@ -88,7 +88,12 @@ def test_a_router_or_alert_change_leaves_the_engine_pods_alone(
 
 @pytest.mark.parametrize(
     "sets",
-    [("model.revision=0123abcd",), ("engine.image.tag=v0.5.7",), ("kvTransfer.nixl.loadFailurePolicy=recompute",)],
+    # prod pins the engine image by digest, which wins over the tag: a new image is a new digest
+    [
+        ("model.revision=0123abcd",),
+        ("engine.image.digest=sha256:" + "e" * 64,),
+        ("kvTransfer.nixl.loadFailurePolicy=recompute",),
+    ],
     ids=["model revision", "engine image", "KV hand-off"],
 )
 def test_what_the_engines_run_replaces_them(h4_module: Path, base: dict[str, str], sets: tuple[str, ...]) -> None:

@@ -4,15 +4,17 @@ PDBs, autoscaling, checksums, images."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from ci import lib
 from tests import helm
 from tests.cases import LMCACHE
-from tests.manifests import container, pod_spec
+from tests.manifests import container, pod_spec, router_config
 
 ZONE = "topology.kubernetes.io/zone"
 CHART_VERSION = yaml.safe_load((helm.CHART / "Chart.yaml").read_text())["version"]
@@ -231,6 +233,39 @@ def test_images_by_tag_or_digest(h4: Path) -> None:
     assert container(docs, "decode")["image"] == f"lmcache/vllm-openai@{digest}"
     assert (
         pod_spec(docs, "Deployment", "-router")["containers"][0]["image"] == f"ghcr.io/pd-inference/pd-router@{digest}"
+    )
+
+
+def test_prod_pins_the_model_revision_and_every_image_digest(h4: Path) -> None:
+    """Prod as Argo CD layers it: every engine runs `--revision=<40-hex commit>`, the router's hub
+    tokenizer follows that commit, and every container of every pod (engines, their sidecars,
+    router, helm test) pulls `repository@sha256:<64 hex>`, so no two pods of one StatefulSet can
+    serve different weights or bits after a re-pull."""
+    files = tuple(lib.environments()["prod"]["valueFiles"])
+    docs = helm.render(h4, files)
+    commit = yaml.safe_load((helm.ROOT / "values" / "prod.yaml").read_text())["model"]["revision"]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit), commit
+    for role in ("prefill", "decode"):
+        assert f"--revision={commit}" in container(docs, role)["args"]
+    assert router_config(docs)["model"]["tokenizerHub"]["revision"] == commit
+    pods = [
+        (d["kind"], d["metadata"]["name"], d["spec"]["template"]["spec"])
+        for d in docs
+        if "template" in d.get("spec", {})
+    ]
+    pods += [(d["kind"], d["metadata"]["name"], d["spec"]) for d in docs if d["kind"] == "Pod"]
+    assert {kind for kind, _, _ in pods} == {"StatefulSet", "Deployment", "Pod"}
+    images = {
+        (name, c["name"]): c["image"]
+        for _, name, spec in pods
+        for c in spec["containers"] + spec.get("initContainers", [])
+    }
+    assert len(images) >= 6  # vllm and metrics-proxy in both roles, the router, the helm test
+    for name, image in images.items():
+        assert re.fullmatch(r"[^@\s]+@sha256:[0-9a-f]{64}", image), (name, image)
+    assert container(docs, "decode")["image"].startswith("lmcache/vllm-openai@sha256:")
+    assert pod_spec(docs, "Deployment", "-router")["containers"][0]["image"].startswith(
+        "ghcr.io/pd-inference/pd-router@sha256:"
     )
 
 

@@ -82,3 +82,150 @@ def test_custom_resources_pass_strict_server_side_validation(cluster: ControlPla
         proc = cluster.apply([bad], "--dry-run=server", check=False)
         assert proc.returncode != 0 and "notAFieldOfThisKind" in proc.stderr, proc.stderr
         assert any("notAFieldOfThisKind" in e for e in crd_schema.validate(bad))
+
+
+# --- the operator knobs (issue 22): tests/values/operator-knobs.yaml ------------------------------
+
+KNOBS = "scenario:operator-knobs"
+PRIORITIES = {"pd-inference-engine": 100000, "pd-inference-router": 50000}
+# A RuntimeClass with an overhead: admission copying it into the pod proves the class was resolved.
+OVERHEAD = {"cpu": "250m", "memory": "128Mi"}
+RUNTIMES = {"nvidia": OVERHEAD, "runc": None}
+
+
+@pytest.fixture
+def knob_classes(cluster: ControlPlane) -> Any:
+    """The PriorityClasses and RuntimeClasses tests/values/operator-knobs.yaml names (cluster-wide;
+    removed afterwards)."""
+    objs: list[dict[str, Any]] = [
+        {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": n}, "value": v}
+        for n, v in PRIORITIES.items()
+    ]
+    for name, overhead in RUNTIMES.items():
+        rc: dict[str, Any] = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name}}
+        rc["handler"] = name
+        if overhead:
+            rc["overhead"] = {"podFixed": overhead}
+        objs.append(rc)
+    cluster.apply(objs)
+    yield
+    cluster.kubectl(
+        "delete",
+        *[f"priorityclass/{n}" for n in PRIORITIES],
+        *[f"runtimeclass/{n}" for n in RUNTIMES],
+        "--ignore-not-found",
+    )
+
+
+def _served(cluster: ControlPlane, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects as the API server would store them (server-side dry run, strict validation)."""
+    import json
+
+    proc = cluster.apply(docs, "--dry-run=server", "-o", "json", check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    return out["items"] if out.get("kind") == "List" else [out]
+
+
+def test_operator_knobs_pass_strict_server_side_validation_and_admission(
+    cluster: ControlPlane, knob_classes: None
+) -> None:
+    """Every object of the all-knobs values file, as the API server keeps it (nothing dropped as
+    an unknown or feature-gated field), and its pods as admission makes them: priority from the
+    PriorityClass, the RuntimeClass's overhead, the preStop wait and grace period."""
+    from tests import cases
+
+    ns = "operator-knobs"
+    cluster.apply([fleet.namespace(ns, POD_SECURITY["defaults"])])
+    docs = helm.render(helm.helm_binaries()[0], cases.LAYERINGS[KNOBS], namespace=ns)
+    served = {f"{d['kind']}/{d['metadata']['name'].split('-')[-1]}": d for d in _served(cluster, docs)}
+    sts = served["StatefulSet/decode"]["spec"]
+    assert sts["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Delete"}
+    so = served["ScaledObject/decode"]["spec"]
+    assert (so["pollingInterval"], so["cooldownPeriod"]) == (15, 600)
+    assert so["fallback"] == {"failureThreshold": 5, "replicas": 4, "behavior": "currentReplicasIfHigher"}
+    assert so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["selectPolicy"] == "Min"
+    for component, window in (("prefill", 600), ("router", 120)):
+        behavior = served[f"HorizontalPodAutoscaler/{component}"]["spec"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == window, behavior
+    want = {  # component: (priority class, runtime class, grace, preStop seconds)
+        "router": ("pd-inference-router", "runc", 30, None),
+        "prefill": ("pd-inference-engine", "nvidia", 60, 15),  # discoveryRefreshSeconds 5 + dnsCacheSeconds 10
+        "decode": ("pd-inference-engine", "nvidia", 330, 15),
+    }
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        component = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+        (pod,) = _served(cluster, [rendered.pod_of(doc, ns)])
+        spec = pod["spec"]
+        priority_class, runtime_class, grace, wait = want[component]
+        assert (spec["priorityClassName"], spec["priority"]) == (priority_class, PRIORITIES[priority_class])
+        assert spec["runtimeClassName"] == runtime_class and spec.get("overhead") == RUNTIMES[runtime_class]
+        assert spec["schedulerName"] == "default-scheduler" and spec["terminationGracePeriodSeconds"] == grace
+        if wait is not None:
+            hook = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+            assert hook[-1] == f"import time; time.sleep({wait})", hook
+        else:  # the router's anti-affinity, required here, to exactly this release's routers
+            (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == helm.RELEASE
+
+
+def test_unknown_classes_refuse_the_pods_not_the_workloads(cluster: ControlPlane) -> None:
+    """What values.yaml says of priorityClassName and runtimeClassName: the workload is accepted,
+    its pods are refused by admission (so the controller creates none), naming the class."""
+    ns = "unknown-classes"
+    cluster.apply([fleet.namespace(ns, POD_SECURITY["defaults"])])
+    docs = helm.render(
+        helm.helm_binaries()[0],
+        sets=("prefill.priorityClassName=no-such-priority", "decode.runtimeClassName=no-such-runtime"),
+        namespace=ns,
+    )
+    workloads = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "StatefulSet"}
+    for component, why in (
+        ("prefill", "no PriorityClass with name no-such-priority was found"),
+        ("decode", 'RuntimeClass "no-such-runtime" not found'),
+    ):
+        proc = cluster.apply([workloads[component]], "--dry-run=server", check=False)
+        assert proc.returncode == 0, proc.stderr
+        ok, err = admitted(cluster, rendered.pod_of(workloads[component], ns))
+        assert not ok and why in err, err
+
+
+# Names on both sides of Kubernetes' rules: DNS-1123 subdomains of at most 253 characters for the
+# class names, nothing at all for the scheduler name (v1.37.2: PodSpec.schedulerName has no
+# validation).
+NAMES = ["gpu-high", "a.b-c.d", "a" * 253, "a" * 254, "GPU_High", "a..b", "-a", "a-", "two words", "Sched: v2", "x/y"]
+
+
+@pytest.mark.parametrize("field", ["priorityClassName", "runtimeClassName", "schedulerName"])
+def test_the_chart_refuses_exactly_the_names_the_api_server_refuses(cluster: ControlPlane, field: str) -> None:
+    """For each name: the chart's schema and the API server (a pod template's validation, no
+    admission: a Deployment) agree on whether it is valid."""
+    import json
+
+    ns = "scheduling-names"
+    cluster.apply([fleet.namespace(ns, "privileged")])
+    disagree = []
+    for name in NAMES:
+        chart = helm.template(helm.helm_binaries()[0], values_yaml=f"prefill:\n  {field}: {json.dumps(name)}\n")
+        deployment = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "names", "namespace": ns},
+            "spec": {
+                "selector": {"matchLabels": {"app": "names"}},
+                "template": {
+                    "metadata": {"labels": {"app": "names"}},
+                    "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}], field: name},
+                },
+            },
+        }
+        server = cluster.apply([deployment], "--dry-run=server", check=False)
+        if (chart.returncode == 0) != (server.returncode == 0):
+            disagree.append((name[:20], chart.stderr.strip()[-200:], server.stderr.strip()[-200:]))
+        if server.returncode != 0:
+            assert f"spec.template.spec.{field}" in server.stderr, server.stderr
+        if chart.returncode != 0:
+            assert f"/prefill/{field}" in chart.stderr, chart.stderr
+    assert not disagree, disagree

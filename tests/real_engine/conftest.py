@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 # Modules that need the machine to themselves (no dense pair): run last, in this order, so the
 # dense pair starts once and stops once (Pairs).
-LAST = ("test_real_lmcache.py", "test_real_hybrid.py")
+LAST = ("test_real_drain.py", "test_real_revision.py", "test_real_lmcache.py", "test_real_hybrid.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

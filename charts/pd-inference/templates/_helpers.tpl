@@ -181,6 +181,20 @@ g7e.48xlarge: {gpus: 8, efa: 4}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The pod-spec fields a role's values name as they are, each rendered only when set (empty = the
+cluster's default): priorityClassName, runtimeClassName, schedulerName. Call with the role's values
+(.Values.prefill, .Values.decode, .Values.router); the schema checks each as Kubernetes does (the
+class names as DNS subdomains; the scheduler name not at all, so it is quoted).
+*/}}
+{{- define "pd-inference.podScheduling" -}}
+{{- range $field := list "priorityClassName" "runtimeClassName" "schedulerName" -}}
+{{- with get $ $field }}
+{{ $field }}: {{ . | quote }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* "true" when the router itself receives LMCache notifications (and so must be a single replica). */}}
 {{- define "pd-inference.routerReceivesNotifications" -}}
 {{- if and (eq .Values.kvTransfer.connector "lmcache") (eq .Values.kvTransfer.lmcache.notificationReceiver "router") -}}true{{- end -}}

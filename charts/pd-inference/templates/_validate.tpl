@@ -82,6 +82,36 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail "placement.sameZone: EFA traffic does not cross availability zones; keep placement.sameZone=true or pin placement.zone when efa.enabled=true" -}}
 {{- end -}}
 
+{{- /* Root in a pod that must not run as root: every container the chart renders sets
+runAsNonRoot: true, so with runAsUser 0 the kubelet refuses to start them
+(CreateContainerConfigError), whatever the pod's own runAsNonRoot says. */ -}}
+{{- range $field, $psc := dict "engine.podSecurityContext" $v.engine.podSecurityContext "router.podSecurityContext" $v.router.podSecurityContext -}}
+{{- $psc = $psc | default dict -}}
+{{- if and (hasKey $psc "runAsUser") (not (kindIs "invalid" $psc.runAsUser)) (eq (int64 $psc.runAsUser) 0) -}}
+{{- $also := ternary (printf " and %s.runAsNonRoot is true" $field) "" (eq (toString $psc.runAsNonRoot) "true") -}}
+{{- fail (printf "%s.runAsUser: 0 is root, but every container the chart renders sets runAsNonRoot: true%s, so the kubelet would refuse to start them; use a non-zero UID (the images run as 10001)" $field $also) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* A check whose timeout is longer than its interval: the next one starts only when it ends, so
+the interval, and the failure detection it bounds, silently stretch to the timeout. */ -}}
+{{- range $probe := list "startup" "readiness" "liveness" -}}
+{{- $p := get $v.engine.probes $probe -}}
+{{- if gt (int $p.timeoutSeconds) (int $p.periodSeconds) -}}
+{{- fail (printf "engine.probes.%s.timeoutSeconds: %d is longer than engine.probes.%s.periodSeconds (%d); make the timeout at most the period" $probe (int $p.timeoutSeconds) $probe (int $p.periodSeconds)) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int $v.router.health.timeoutSeconds) (int $v.router.health.intervalSeconds) -}}
+{{- fail (printf "router.health.timeoutSeconds: %d is longer than router.health.intervalSeconds (%d); make the timeout at most the interval" (int $v.router.health.timeoutSeconds) (int $v.router.health.intervalSeconds)) -}}
+{{- end -}}
+{{- /* The preflight runs inside the startup window, before vLLM loads the model: a deadline past
+the window means the kubelet restarts a hanging preflight before it can name the problem. */ -}}
+{{- $startup := $v.engine.probes.startup -}}
+{{- $window := mul (int $startup.periodSeconds) (int $startup.failureThreshold) -}}
+{{- if and $v.engine.preflight.enabled (ge (int $v.engine.preflight.timeoutSeconds) (int $window)) -}}
+{{- fail (printf "engine.preflight.timeoutSeconds: %d is not below the startup window of %d s (engine.probes.startup.periodSeconds x failureThreshold), which must also cover loading the model" (int $v.engine.preflight.timeoutSeconds) (int $window)) -}}
+{{- end -}}
+
 {{- include "pd-inference.validate.ports" . -}}
 
 {{- /* Names: "<fullname>-prefill" is a StatefulSet whose pods carry the label
@@ -158,20 +188,16 @@ generated from pd_router.config). */ -}}
 {{- fail (printf "kvTransfer.lmcache.chunkSize: %d tokens per chunk is above model.maxModelLen (%d): no request would fill a chunk" (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
 {{- end -}}
 
-{{- /* Where the chart can see it: resource requests above limits, malformed quantities. */ -}}
-{{- range $role := list "prefill" "decode" "router" -}}
-{{- $res := (get $v $role).resources | default dict -}}
-{{- range $kind := list "requests" "limits" -}}
-{{- range $name, $q := get $res $kind | default dict -}}
-{{- if not (regexMatch "^[+]?([0-9]+(\\.[0-9]*)?|\\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$" (toString $q)) -}}
-{{- fail (printf "%s.resources.%s.%s: %q is not a Kubernetes quantity (e.g. 4, 500m, 32Gi)" $role $kind $name (toString $q)) -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
+{{- /* Resource requests above their limits, in every resources block of the values (the API
+server refuses them at apply). Malformed quantities never get here: the schema's Quantity
+definition carries the quantity pattern (ci/chartdoc.py QUANTITY_PATTERN). */ -}}
+{{- $resources := dict "prefill.resources" $v.prefill.resources "decode.resources" $v.decode.resources "router.resources" $v.router.resources "engine.metricsProxy.resources" $v.engine.metricsProxy.resources "kvTransfer.lmcache.sidecar.resources" $v.kvTransfer.lmcache.sidecar.resources -}}
+{{- range $field, $res := $resources -}}
+{{- $res = $res | default dict -}}
 {{- range $name, $req := $res.requests | default dict -}}
 {{- with get ($res.limits | default dict) $name -}}
 {{- if gt (include "pd-inference.quantity" $req | float64) (include "pd-inference.quantity" . | float64) -}}
-{{- fail (printf "%s.resources.requests.%s: %v is above its limit %v" $role $name $req .) -}}
+{{- fail (printf "%s.requests.%s: %v is above its limit %v" $field $name $req .) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -182,7 +208,7 @@ generated from pd_router.config). */ -}}
 {{- $r := get $v $role -}}
 {{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
 accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
-{{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
+{{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "shutdown-timeout" (printf "%s.drainSeconds" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
 {{- range $arg := include "pd-inference.engineArgs" (dict "ctx" $ "role" $role) | fromYamlArray -}}
 {{- if hasPrefix "--" $arg -}}
 {{- $n := trimPrefix "--" (first (splitList "=" $arg)) -}}
@@ -211,17 +237,17 @@ accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- /* The drain (engine/_pod.tpl): the kubelet's SIGKILL must come after the preStop wait and
+vLLM's drain, or the requests it is finishing die with it. */ -}}
+{{- $preStop := include "pd-inference.engine.preStopSeconds" $ | int -}}
+{{- if le (int $r.terminationGracePeriodSeconds) (add $preStop (int $r.drainSeconds)) -}}
+{{- fail (printf "%s.terminationGracePeriodSeconds: %d s must be longer than the preStop wait (%d s: router.discoveryRefreshSeconds %d + engine.drain.dnsCacheSeconds %d) plus %s.drainSeconds (%d s), or vLLM is killed while it finishes in-flight requests; raise it above %d" $role (int $r.terminationGracePeriodSeconds) $preStop (int $v.router.discoveryRefreshSeconds) (int $v.engine.drain.dnsCacheSeconds) $role (int $r.drainSeconds) (add $preStop (int $r.drainSeconds))) -}}
+{{- end -}}
 {{- /* vLLM shards KV heads over TP ranks: one must divide the other. */ -}}
 {{- $heads := int $v.model.kvShape.kvHeads -}}
 {{- $tp := int $r.tensorParallelSize -}}
 {{- if and (gt $heads 0) (ne (mod $heads $tp) 0) (ne (mod $tp $heads) 0) -}}
 {{- fail (printf "%s.tensorParallelSize: %d neither divides model.kvShape.kvHeads (%d) nor is a multiple of it; vLLM cannot shard the KV heads" $role $tp $heads) -}}
-{{- end -}}
-{{- /* A region selector must hold the pinned zone (zone names are the region plus a letter). */ -}}
-{{- with get ($r.nodeSelector | default dict) "topology.kubernetes.io/region" -}}
-{{- if and $v.placement.zone (not (hasPrefix . $v.placement.zone)) -}}
-{{- fail (printf "%s.nodeSelector: topology.kubernetes.io/region=%s cannot hold placement.zone=%s" $role . $v.placement.zone) -}}
-{{- end -}}
 {{- end -}}
 {{- /* Placement that cannot work: more GPUs or EFA devices than the pinned instance type has. */ -}}
 {{- with get $instanceTypes $r.instanceType -}}
@@ -261,23 +287,78 @@ accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- if and $queue (not $v.metrics.podMonitor.enabled) -}}
 {{- fail (printf "metrics.podMonitor.enabled: %s.autoscaling.targetWaitingPerReplica scales on the engines' scraped vllm:num_requests_waiting, which only the chart's PodMonitor labels with namespace, release and component" $role) -}}
 {{- end -}}
+{{- /* KEDA's fallback (v2.20.2, apis/keda/v1alpha1 CheckFallbackValid and pkg/fallback): only KEDA
+has one; it needs a trigger that is neither cpu nor memory; the HPA clamps its replicas to the
+bounds, so a count outside them would silently not be what runs. */ -}}
+{{- $fallback := int $r.autoscaling.keda.fallback.replicas -}}
+{{- if $fallback -}}
+{{- if ne $r.autoscaling.kind "keda" -}}
+{{- fail (printf "%s.autoscaling.keda.fallback.replicas: a fallback is KEDA's (%s.autoscaling.kind: keda); the HPA keeps its replicas while its metrics fail. Set it to 0 or use kind keda" $role $role) -}}
 {{- end -}}
-{{- /* A pinned zone must agree with any zone the user pins elsewhere. */ -}}
+{{- if or (lt $fallback (int $r.autoscaling.minReplicas)) (gt $fallback (int $r.autoscaling.maxReplicas)) -}}
+{{- fail (printf "%s.autoscaling.keda.fallback.replicas: %d is outside %s.autoscaling.minReplicas..maxReplicas (%d..%d); the HPA would clamp it" $role $fallback $role (int $r.autoscaling.minReplicas) (int $r.autoscaling.maxReplicas)) -}}
+{{- end -}}
+{{- $external := $queue -}}
+{{- range $t := $r.autoscaling.kedaTriggers | default list -}}
+{{- if not (has $t.type (list "cpu" "memory")) -}}
+{{- $external = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $external -}}
+{{- fail (printf "%s.autoscaling.keda.fallback.replicas: KEDA falls back only for a trigger that is neither cpu nor memory; set %s.autoscaling.targetWaitingPerReplica or add such a trigger to %s.autoscaling.kedaTriggers" $role $role $role) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* A pinned zone must agree with any zone, or region (zone names are the region plus a
+letter), the user pins elsewhere, under the topology.kubernetes.io labels or the legacy
+failure-domain.beta.kubernetes.io ones (deprecated, still on the nodes of many clusters, with the
+same names): a contradiction leaves the pods Pending. */ -}}
 {{- if $v.placement.zone -}}
-{{- $sel := get ($r.nodeSelector | default dict) "topology.kubernetes.io/zone" -}}
-{{- if and $sel (ne $sel $v.placement.zone) -}}
-{{- fail (printf "%s.nodeSelector: topology.kubernetes.io/zone=%s contradicts placement.zone=%s" $role $sel $v.placement.zone) -}}
+{{- $zone := $v.placement.zone -}}
+{{- $zoneKeys := list "topology.kubernetes.io/zone" "failure-domain.beta.kubernetes.io/zone" -}}
+{{- $regionKeys := list "topology.kubernetes.io/region" "failure-domain.beta.kubernetes.io/region" -}}
+{{- range $key, $value := $r.nodeSelector | default dict -}}
+{{- if and (has $key $zoneKeys) (ne (toString $value) $zone) -}}
+{{- fail (printf "%s.nodeSelector: %s=%s contradicts placement.zone=%s" $role $key $value $zone) -}}
 {{- end -}}
+{{- if and (has $key $regionKeys) (not (hasPrefix (toString $value) $zone)) -}}
+{{- fail (printf "%s.nodeSelector: %s=%s cannot hold placement.zone=%s" $role $key $value $zone) -}}
+{{- end -}}
+{{- end -}}
+{{- /* Required node affinity: its terms are ORed, a term's expressions ANDed, so it contradicts
+the zone when every term has an expression that excludes it. */ -}}
 {{- $na := (($r.affinity | default dict).nodeAffinity | default dict).requiredDuringSchedulingIgnoredDuringExecution | default dict -}}
-{{- range $term := $na.nodeSelectorTerms | default list -}}
+{{- $terms := $na.nodeSelectorTerms | default list -}}
+{{- $excluding := list -}}
+{{- range $term := $terms -}}
+{{- $why := "" -}}
 {{- range $expr := $term.matchExpressions | default list -}}
-{{- if and (eq $expr.key "topology.kubernetes.io/zone") (eq $expr.operator "In") (not (has $v.placement.zone ($expr.values | default list))) -}}
-{{- fail (printf "%s.affinity: its required node affinity allows zones %v, which excludes placement.zone=%s" $role $expr.values $v.placement.zone) -}}
+{{- $values := $expr.values | default list -}}
+{{- $holds := false -}}
+{{- if has $expr.key $zoneKeys -}}
+{{- $holds = has $zone $values -}}
 {{- end -}}
-{{- if and (eq $expr.key "topology.kubernetes.io/zone") (eq $expr.operator "NotIn") (has $v.placement.zone ($expr.values | default list)) -}}
-{{- fail (printf "%s.affinity: its required node affinity excludes placement.zone=%s" $role $v.placement.zone) -}}
+{{- range $region := ternary $values (list) (has $expr.key $regionKeys) -}}
+{{- if hasPrefix (toString $region) $zone -}}
+{{- $holds = true -}}
 {{- end -}}
 {{- end -}}
+{{- if and (not $why) (or (has $expr.key $zoneKeys) (has $expr.key $regionKeys)) -}}
+{{- if or (and (eq $expr.operator "In") (not $holds)) (and (eq $expr.operator "NotIn") $holds) -}}
+{{- $why = printf "%s %s %v" $expr.key $expr.operator $values -}}
+{{- end -}}
+{{- end -}}
+{{- /* The chart's node selector requires topology.kubernetes.io/zone=placement.zone, so no node it allows lacks the label. */ -}}
+{{- if and (not $why) (eq $expr.key "topology.kubernetes.io/zone") (eq $expr.operator "DoesNotExist") -}}
+{{- $why = printf "%s DoesNotExist" $expr.key -}}
+{{- end -}}
+{{- end -}}
+{{- if $why -}}
+{{- $excluding = append $excluding $why -}}
+{{- end -}}
+{{- end -}}
+{{- if and $terms (eq (len $excluding) (len $terms)) -}}
+{{- fail (printf "%s.affinity: its required node affinity (%s) excludes placement.zone=%s" $role (join "; " $excluding) $zone) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -11,13 +11,21 @@ them (a repeated flag or variable would silently override the chart's own). Call
 - {{ $v.model.name | quote }}
 - --host=0.0.0.0
 - --port={{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "http") }}
-- --served-model-name={{ $v.model.servedName }}
+{{- /* the served name, then its KV revision's (engine/_revision.tpl): vLLM accepts both,
+answers with the first, and refuses a hand-off leg named for another revision */}}
+- --served-model-name
+- {{ $v.model.servedName | quote }}
+- {{ include "pd-inference.kvRevisionName" .ctx | quote }}
 {{- with $v.model.revision }}
 - --revision={{ . }}
 {{- end }}
 - --tensor-parallel-size={{ int $r.tensorParallelSize }}
 - --max-model-len={{ int $v.model.maxModelLen }}
 - --gpu-memory-utilization={{ $r.gpuMemoryUtilization }}
+{{- /* On SIGTERM (after the preStop wait) finish what is in flight within drainSeconds; vLLM 0.31.0
+and 0.33.0 default to 0, which aborts it (v1/engine/core.py _handle_shutdown: "abort" mode; >0
+"drain" keeps the engine up while scheduler.has_requests(), NIXL KV not yet read included). */}}
+- --shutdown-timeout={{ int $r.drainSeconds }}
 {{- with $v.model.reasoningParser }}
 - --reasoning-parser={{ . }}
 {{- end }}

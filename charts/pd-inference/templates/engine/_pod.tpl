@@ -11,6 +11,46 @@ to the user's values. templates/engine/statefulset.yaml keeps only the pod's sha
 {{- printf "%s\n%s\n%s" (include "pd-inference.kvTransferConfig" .) (ternary (include "pd-inference.lmcacheConfig" .) "" $lmcache) (ternary (.ctx.Files.Get "files/preflight.py") "" $v.engine.preflight.enabled) | sha256sum -}}
 {{- end -}}
 
+{{/*
+The drain (engine.drain, <role>.drainSeconds, <role>.terminationGracePeriodSeconds). When a pod is
+deleted, the EndpointSlice controller marks it not ready at once, and the headless Service
+(publishNotReadyAddresses: false) stops answering with it; each router drops it at its next
+re-resolution, up to router.discoveryRefreshSeconds later, once the cluster DNS's cached answers
+(engine.drain.dnsCacheSeconds) have expired. The preStop hook keeps vLLM serving that long, from
+the one interval the router config renders, so no router sends to an engine that got SIGTERM;
+then vLLM drains (its --shutdown-timeout, <role>.drainSeconds). _validate.tpl refuses a grace
+period that does not cover both. Takes the root context.
+*/}}
+{{- define "pd-inference.engine.preStopSeconds" -}}
+{{- add (int .Values.router.discoveryRefreshSeconds) (int .Values.engine.drain.dnsCacheSeconds) -}}
+{{- end -}}
+
+{{/*
+The preStop wait as an exec of the image's own Python (engine.preflight.python, which vLLM runs
+in): no shell and no sleep binary needed. Not the kubelet's `sleep` action: the chart supports
+Kubernetes 1.29 (Chart.yaml kubeVersion), where PodLifecycleSleepAction is alpha and off by default
+(beta from 1.30, GA in 1.34: k8s.io/kubernetes v1.34.0 pkg/features/kube_features.go), and there
+the API server drops the field and refuses the empty handler ("must specify a handler type":
+pkg/api/pod/util.go dropPodLifecycleSleepAction, then validation). Choosing by
+.Capabilities.KubeVersion instead would make what CI renders (at the minimum version) differ from
+what Argo CD applies on a newer cluster. Move to `sleep: {seconds: N}` once kubeVersion >= 1.30.
+Call with (dict "python" <interpreter> "seconds" N); with "untilClosed" PORT and "atMost" M it
+then waits on, until nothing listens on 127.0.0.1:PORT any more (vLLM's HTTP server closes when its
+drain is over) or M seconds after the hook began.
+*/}}
+{{- define "pd-inference.preStopWait" -}}
+preStop:
+  exec:
+    command:
+      - {{ .python }}
+      - -c
+      {{- if .untilClosed }}
+      - {{ printf "import socket, time\nend = time.monotonic() + %d\ntime.sleep(%d)\nwhile time.monotonic() < end:\n    try:\n        socket.create_connection((\"127.0.0.1\", %d), 1).close()\n    except OSError:\n        break\n    time.sleep(1)" (int .atMost) (int .seconds) (int .untilClosed) | quote }}
+      {{- else }}
+      - import time; time.sleep({{ .seconds }})
+      {{- end }}
+{{- end -}}
+
 {{/* The engine container's image. */}}
 {{- define "pd-inference.engine.image" -}}
 {{- include "pd-inference.image" (dict "image" .ctx.Values.engine.image "default" .ctx.Values.engine.image.tag) -}}
