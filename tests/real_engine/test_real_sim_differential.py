@@ -64,8 +64,12 @@ def sim(workdir: Path) -> Iterator[Proc]:
     """A simulated engine configured as the dev environment's decoder (NIXL, 4096, vLLM 0.31)."""
     (workdir / "sim").mkdir(exist_ok=True)
     with Stack(workdir / "sim") as st:
+        # the chart's second served name, its KV revision's, as the decoder serves it
+        _, alias = engines.chart_engine("decode").served_names
         yield st.sim(
-            "diff-sim", "--model", M, "--max-model-len", "4096", "--kv-connector", "nixl", "--vllm-version", "0.31"
+            "diff-sim",
+            *("--model", M, "--alias", alias, "--max-model-len", "4096"),
+            *("--kv-connector", "nixl", "--vllm-version", "0.31"),
         )
 
 

@@ -46,7 +46,11 @@ def test_models_are_the_engines_own_cards(router: Proc, pd: dict[str, engines.En
     theirs, _ = get(pd["decode"].url)
     assert headers.get("x-pd-models-source") == "engine"
     (card,) = ours["data"]
-    (real,) = theirs["data"]
+    # the engine also serves its KV revision's name (pd_router.revision); the router lists the
+    # model once, with the revisions its engines run
+    real, kv_card = theirs["data"]
+    rev = kv_card["id"].removeprefix(model_name + "@kv-")
+    assert kv_card["id"] != rev and card.pop("kv_revisions") == {"prefill": {rev: 1}, "decode": {rev: 1}}
     # a card's permission id is new at every answer (vLLM's ModelPermission default factory)
     assert shape(card) == shape(real)
     assert {k: v for k, v in card.items() if k not in ("created", "permission")} == {
