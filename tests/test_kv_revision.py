@@ -80,6 +80,9 @@ NO_KV_CHANGES = {
     "decode tensor parallel size": ("decode.tensorParallelSize=2",),
     "prefill replicas": ("prefill.replicas=3",),
     "a scheduler flag": ("prefill.extraArgs[0]=--max-num-seqs=64",),
+    # KV-cache events only report what the cache holds (engine.kvEvents)
+    "kv events off": ("engine.kvEvents.enabled=false",),
+    "kv event ports": ("ports.kvEvents=6557", "ports.kvEventsReplay=6558"),
 }
 
 

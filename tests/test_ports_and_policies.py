@@ -20,6 +20,8 @@ CUSTOM_PORTS = (
     "ports.lmcacheAllocBase=9400",
     "ports.proxyNotification=9500",
     "ports.nixlSideChannel=9600",
+    "ports.kvEvents=9800",
+    "ports.kvEventsReplay=9801",
     "prefill.tensorParallelSize=2",
     "decode.tensorParallelSize=2",
 )
@@ -34,6 +36,7 @@ def test_lmcache_ports_agree_everywhere(h4: Path) -> None:
     assert rc["lmcache"]["notifyPort"] == 9500
     assert rc["lmcache"]["decoderInitPorts"] == init and rc["lmcache"]["decoderAllocPorts"] == alloc
     assert rc["lmcache"]["notificationsPerRequest"] == 2
+    assert (rc["routing"]["kvEvents"]["port"], rc["routing"]["kvEvents"]["replayPort"]) == (9800, 9801)
     # LMCache configs
     assert lmcache_config(docs, "decode")["pd_peer_init_port"] == init
     assert lmcache_config(docs, "decode")["pd_peer_alloc_port"] == alloc
@@ -42,13 +45,16 @@ def test_lmcache_ports_agree_everywhere(h4: Path) -> None:
     assert container_ports(docs, "Deployment", "-router") == {"http": 8200, "pd-notify": 9500}
     assert service_ports(docs, "-router") == {"http": 8000, "pd-notify": 9500}
     decode_ports = {"http": 8100, "lmc-init-0": 9300, "lmc-alloc-0": 9400, "lmc-init-1": 9301, "lmc-alloc-1": 9401}
-    assert container_ports(docs, "StatefulSet", "-decode") == decode_ports
+    # the KV-cache event ports: on the containers, not the Services (the router connects to pod IPs)
+    events = {"kv-events": 9800, "kv-replay": 9801}
+    assert container_ports(docs, "StatefulSet", "-decode") == {**decode_ports, **events}
     assert service_ports(docs, "-decode") == decode_ports
-    assert container_ports(docs, "StatefulSet", "-prefill") == {"http": 8100} == service_ports(docs, "-prefill")
+    assert container_ports(docs, "StatefulSet", "-prefill") == {"http": 8100, **events}
+    assert service_ports(docs, "-prefill") == {"http": 8100}
     # NetworkPolicies
     assert policy_ports(docs, "-router") == {8200, 9500}
-    assert policy_ports(docs, "-decode") == {8100, *init, *alloc}
-    assert policy_ports(docs, "-prefill") == {8100}
+    assert policy_ports(docs, "-decode") == {8100, 9800, 9801, *init, *alloc}
+    assert policy_ports(docs, "-prefill") == {8100, 9800, 9801}
     # Probes use the named port.
     assert container(docs, "decode")["readinessProbe"]["httpGet"]["port"] == "http"
     assert "--port=8100" in container(docs, "decode")["args"]
@@ -57,9 +63,10 @@ def test_lmcache_ports_agree_everywhere(h4: Path) -> None:
 def test_nixl_ports_agree_everywhere(h4: Path) -> None:
     docs = helm.render(h4, sets=CUSTOM_PORTS + ("kvTransfer.connector=nixl",))
     for role in ("prefill", "decode"):
-        assert container_ports(docs, "StatefulSet", f"-{role}") == {"http": 8100, "nixl-side": 9600}
+        events = {"kv-events": 9800, "kv-replay": 9801}
+        assert container_ports(docs, "StatefulSet", f"-{role}") == {"http": 8100, **events, "nixl-side": 9600}
         assert service_ports(docs, f"-{role}") == {"http": 8100, "nixl-side": 9600}
-        assert policy_ports(docs, f"-{role}") == {8100, 9600}
+        assert policy_ports(docs, f"-{role}") == {8100, 9800, 9801, 9600}
         env = {e["name"]: e.get("value") for e in container(docs, role)["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9600"
     assert container_ports(docs, "Deployment", "-router") == {"http": 8200}
@@ -164,7 +171,7 @@ def test_notification_sidecar_ports_agree_everywhere(h4: Path) -> None:
     assert "--port=9700" in sidecar["args"] and "--zmq-bind=tcp://127.0.0.1:9500" in sidecar["args"]
     assert lmcache_config(docs, "prefill")["pd_proxy_port"] == 9500
     assert service_ports(docs, "-prefill") == {"http": 8100, "notify-sidecar": 9700}
-    assert policy_ports(docs, "-prefill") == {8100, 9700}
+    assert policy_ports(docs, "-prefill") == {8100, 9800, 9801, 9700}
     pods = _pod_labels(docs)
     assert _allowed_from(helm.one(docs, "NetworkPolicy", "-prefill"), 9700, pods) == {"router"}
     # Decoders never run it.
@@ -258,7 +265,7 @@ def test_egress_opens_only_ports_the_peer_listens_on(h4: Path) -> None:
 
     assert egress("prefill") == {"decode": {7300, 7400, 1024}, "router": {7500}}
     assert egress("decode") == {"prefill": {1024}}
-    assert egress("router") == {"prefill": {8000}, "decode": {8000}}
+    assert egress("router") == {"prefill": {8000, 5557, 5558}, "decode": {8000, 5557, 5558}}  # API, KV events
     docs = helm.render(h4, (LMCACHE,), sets=("networkPolicy.egress.enabled=true", "efa.enabled=true", "efa.devices=1"))
     decode = helm.one(docs, "NetworkPolicy", "-decode")["spec"]["egress"]
     assert not any(r["to"][0].get("podSelector") for r in decode[1:]), decode  # EFA: nothing to reach
@@ -275,6 +282,13 @@ def test_egress_opens_only_ports_the_peer_listens_on(h4: Path) -> None:
             (),
             ("engine.metricsProxy.enabled=false", "ports.engineMetrics=8000"),
             ("ports.engineHttp", "ports.engineMetrics"),
+        ),
+        # the KV-cache event ports, even while the events are off
+        ((), ("ports.kvEventsReplay=5600",), ("ports.kvEventsReplay", "ports.nixlSideChannel", "prefill pods")),
+        (
+            (LMCACHE,),
+            ("engine.kvEvents.enabled=false", "ports.kvEvents=7300"),
+            ("ports.kvEvents", "ports.lmcacheInitBase", "decode pods"),
         ),
         # the notification sidecar binds ports.proxyNotification on 127.0.0.1 in the prefill pod
         (

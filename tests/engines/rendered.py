@@ -73,6 +73,13 @@ class Engine:
         return json.loads(self.args[self.args.index("--kv-transfer-config") + 1])
 
     @property
+    def kv_events_config(self) -> dict[str, Any] | None:
+        """``--kv-events-config``'s JSON (engine.kvEvents), or None when it is not rendered."""
+        if "--kv-events-config" not in self.args:
+            return None
+        return json.loads(self.args[self.args.index("--kv-events-config") + 1])
+
+    @property
     def served_names(self) -> list[str]:
         """``--served-model-name``'s values: the served name, then its KV revision's."""
         i = self.args.index("--served-model-name") + 1

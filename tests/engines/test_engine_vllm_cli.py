@@ -30,6 +30,7 @@ BAD = {
     "unknown flag": ["--no-such-flag-pd-inference=1"],
     "bad kv-transfer-config": ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_rolee": "kv_both"}'],
     "bad kv_role": ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_everything"}'],
+    "bad kv-events-config": ["--kv-events-config", '{"enable_kv_cache_event": true, "publisher": "zmq"}'],
 }
 # ... and command lines that parse but that vLLM must refuse once it knows the model
 # (Llama 3.3 70B: 131072 positions, 64 attention heads).
@@ -90,6 +91,17 @@ def test_kv_transfer_config_parses_into_vllms_kv_transfer_config(vllm_version: s
         assert result["kv"][key] == value, key
     # The connector the chart names is one vLLM has registered, and its class is the one used.
     assert result["connector_class"] in {"LMCacheConnectorV1", "NixlConnector", "NixlPullConnector"}
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e.name)
+def test_kv_events_config_parses_into_vllms_kv_events_config(vllm_version: str, engine: rendered.Engine) -> None:
+    """The chart's --kv-events-config (engine.kvEvents) is vLLM's KVEventsConfig, field for field,
+    and the engine it builds keeps the prefix cache on, without which no block is published."""
+    result = parsed(vllm_version)["by_name"][engine.name]
+    rendered_events = engine.kv_events_config
+    assert rendered_events is not None, "engine.kvEvents is on in every render"
+    assert result["kv_events"] == rendered_events
+    assert result["engine"]["enable_prefix_caching"] is True, (engine.name, result["engine"])
 
 
 def test_every_vllm_env_var_the_chart_sets_exists_with_a_valid_value(vllm_version: str) -> None:

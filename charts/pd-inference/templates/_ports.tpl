@@ -15,8 +15,9 @@ Call with (dict "ctx" $ "component" "decode"); returns a JSON list of
   doc          the comment of its NetworkPolicy rule; consecutive ports with the same doc and
                peers share one rule. serviceDoc: a comment on its Service port
 Optional keys give the ports of another mode: "connector" (nixl | lmcache), "receiver" (the
-LMCache notification receiver, router | prefillSidecar) and "metricsProxy" (true | false). The
-router config names the ports of every mode, and _validate.tpl checks both connectors.
+LMCache notification receiver, router | prefillSidecar), "metricsProxy" (true | false) and
+"kvEvents" (true | false, engine.kvEvents.enabled). The router config names the ports of every
+mode, and _validate.tpl checks both connectors, with the metrics proxy and the KV events on.
 */}}
 {{- define "pd-inference.ports" -}}
 {{- $v := .ctx.Values -}}
@@ -24,6 +25,7 @@ router config names the ports of every mode, and _validate.tpl checks both conne
 {{- $lmcache := eq (.connector | default $v.kvTransfer.connector) "lmcache" -}}
 {{- $receiver := .receiver | default $v.kvTransfer.lmcache.notificationReceiver -}}
 {{- $proxy := ternary .metricsProxy $v.engine.metricsProxy.enabled (hasKey . "metricsProxy") -}}
+{{- $kvEvents := ternary .kvEvents $v.engine.kvEvents.enabled (hasKey . "kvEvents") -}}
 {{- $metricsFrom := $v.networkPolicy.metricsFrom -}}
 {{- $p := list -}}
 {{- if eq $c "router" -}}
@@ -46,6 +48,12 @@ router config names the ports of every mode, and _validate.tpl checks both conne
 {{- $p = append $p (dict "name" "http" "port" (int $v.ports.engineHttp) "field" "ports.engineHttp" "container" "vllm" "service" true "from" $httpFrom "doc" $httpDoc) -}}
 {{- if $proxy -}}
 {{- $p = append $p (dict "name" "metrics" "port" (int $v.ports.engineMetrics) "field" "ports.engineMetrics" "container" "metrics-proxy" "service" false "from" (list "networkPolicy.metricsFrom") "doc" "Prometheus: the metrics-only proxy, nothing else.") -}}
+{{- end -}}
+{{- /* Not on the Service: each router connects to every pod IP the headless Service's DNS gives. */ -}}
+{{- if $kvEvents -}}
+{{- $doc := "vLLM KV-cache events (ZMQ PUB) and their replay endpoint (ZMQ ROUTER), from the router only." -}}
+{{- $p = append $p (dict "name" "kv-events" "port" (int $v.ports.kvEvents) "field" "ports.kvEvents" "container" "vllm" "service" false "from" (list "router") "doc" $doc) -}}
+{{- $p = append $p (dict "name" "kv-replay" "port" (int $v.ports.kvEventsReplay) "field" "ports.kvEventsReplay" "container" "vllm" "service" false "from" (list "router") "doc" $doc) -}}
 {{- end -}}
 {{- if and $lmcache (eq $c "decode") -}}
 {{- $doc := "LMCache NIXL handshake and buffer allocation, one port pair per TP rank, from prefillers." -}}

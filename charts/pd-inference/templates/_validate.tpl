@@ -209,6 +209,9 @@ definition carries the quantity pattern (ci/chartdoc.py QUANTITY_PATTERN). */ -}
 {{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
 accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "shutdown-timeout" (printf "%s.drainSeconds" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
+{{- if $v.engine.kvEvents.enabled -}}
+{{- $_ := set $flags "kv-events-config" "engine.kvEvents.enabled" -}}
+{{- end -}}
 {{- range $arg := include "pd-inference.engineArgs" (dict "ctx" $ "role" $role) | fromYamlArray -}}
 {{- if hasPrefix "--" $arg -}}
 {{- $n := trimPrefix "--" (first (splitList "=" $arg)) -}}
@@ -221,6 +224,17 @@ accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- if hasPrefix "-" (toString $arg) -}}
 {{- $n := replace "_" "-" (trimPrefix "-" (trimPrefix "-" (first (splitList "=" (toString $arg))))) -}}
 {{- $n = ternary "tensor-parallel-size" $n (eq $n "tp") -}}
+{{- /* KV-cache events: vLLM's parser takes the last --kv-events-config (a dotted
+--kv-events-config.topic=x becomes one too), and without prefix caching vLLM stores no block
+to publish; either way the router would subscribe to nothing. */ -}}
+{{- if $v.engine.kvEvents.enabled -}}
+{{- if or (eq $n "kv-events-config") (hasPrefix "kv-events-config." $n) -}}
+{{- fail (printf "%s.extraArgs: %s would replace the --kv-events-config the chart sets while engine.kvEvents.enabled is true, and the router would subscribe to nothing; remove it (the ports are ports.kvEvents and ports.kvEventsReplay), or set engine.kvEvents.enabled=false to publish your own" $role (toString $arg)) -}}
+{{- end -}}
+{{- if eq $n "no-enable-prefix-caching" -}}
+{{- fail (printf "%s.extraArgs: %s turns vLLM's prefix cache off, so the engine stores no KV block to publish and the router's KV-cache events (engine.kvEvents.enabled) would stay empty; remove it, or set engine.kvEvents.enabled=false" $role (toString $arg)) -}}
+{{- end -}}
+{{- end -}}
 {{- if hasKey $flags $n -}}
 {{- fail (printf "%s.extraArgs: %s is set by the chart (from %s); set that value instead" $role (toString $arg) (get $flags $n)) -}}
 {{- end -}}
@@ -389,8 +403,8 @@ the zone when every term has an expression that excludes it. */ -}}
 
 {{/*
 Ports (templates/_ports.tpl): a per-rank port past 65535, or two ports of one pod on the same
-number. Checked for both connectors, the metrics proxy included, so that switching either later
-cannot collide.
+number. Checked for both connectors, the metrics proxy and the KV-cache event ports included, so
+that switching any of them later cannot collide.
 */}}
 {{- define "pd-inference.validate.ports" -}}
 {{- $v := .Values -}}
@@ -398,7 +412,7 @@ cannot collide.
 {{- range $connector := list $current (ternary "nixl" "lmcache" (eq $current "lmcache")) -}}
 {{- $mode := ternary "" (printf " with kvTransfer.connector %s" $connector) (eq $connector $current) -}}
 {{- range $component := list "prefill" "decode" "router" -}}
-{{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true) | fromJsonArray -}}
+{{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true "kvEvents" true) | fromJsonArray -}}
 {{- $last := dict -}}
 {{- range $p := $ports -}}
 {{- if hasKey $p "rank" -}}

@@ -88,6 +88,11 @@ def parse(case: dict) -> dict:
         cls = KVConnectorFactory.get_connector_class(kv)
         out["connector_class"] = cls.__name__
         out["supports_hma"] = KVConnectorFactory.supports_hma_config(kv)
+    ke = ea.kv_events_config
+    if ke is not None:
+        out["kv_events"] = {
+            k: getattr(ke, k) for k in ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic")
+        }
     if case.get("config_dir"):
         out.update(engine_config(ea, case["config_dir"]))
     return out
@@ -110,6 +115,8 @@ def engine_config(ea: AsyncEngineArgs, config_dir: str) -> dict:
             "is_hybrid": mc.is_hybrid,
             "max_model_len": mc.max_model_len,
             "block_size": cfg.cache_config.block_size,
+            # KV-cache events publish only the blocks the prefix cache stores
+            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
         }
     }

@@ -35,7 +35,28 @@ and 0.33.0 default to 0, which aborts it (v1/engine/core.py _handle_shutdown: "a
 {{- end }}
 - --kv-transfer-config
 - {{ include "pd-inference.kvTransferConfig" (dict "ctx" .ctx "role" .role) | toJson }}
+{{- if $v.engine.kvEvents.enabled }}
+{{- /* KV-cache events for the router's prefix index (engine.kvEvents). No
+--prefix-caching-hash-algo check or pin: the router indexes the token ids the events carry, not
+vLLM's block hashes, so any hash algorithm serves it. */}}
+- --kv-events-config
+- {{ include "pd-inference.kvEventsConfig" (dict "ctx" .ctx "role" .role) | toJson }}
+{{- end }}
 {{- end -}}
+
+{{/*
+vLLM's --kv-events-config (KVEventsConfig, vLLM 0.31.0 / 0.33.0): compact JSON, keys in this
+order. The engine binds both sockets on every interface; the router connects to each pod's IP.
+Call with (dict "ctx" $ "role" "prefill").
+*/}}
+{{- define "pd-inference.kvEventsConfig" -}}
+{{- $events := include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "kv-events" "kvEvents" true) -}}
+{{- $replay := include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "kv-replay" "kvEvents" true) -}}
+{{- printf "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":%s,\"replay_endpoint\":%s,\"topic\":%s}" (printf "tcp://*:%s" $events | toJson) (printf "tcp://*:%s" $replay | toJson) (include "pd-inference.kvEventsTopic" . | toJson) -}}
+{{- end -}}
+
+{{/* The ZMQ topic the engines publish their KV-cache events under, and the router subscribes to. */}}
+{{- define "pd-inference.kvEventsTopic" -}}kv{{- end -}}
 
 {{- define "pd-inference.engineEnv" -}}
 {{- $v := .ctx.Values -}}

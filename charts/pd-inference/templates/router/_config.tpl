@@ -5,7 +5,8 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
 {{- define "pd-inference.routerConfig" -}}
 {{- $v := .Values -}}
 {{- $r := $v.router -}}
-{{- /* Ports from templates/_ports.tpl; the lmcache block names the LMCache mode's ports whatever the connector. */ -}}
+{{- /* Ports from templates/_ports.tpl; the lmcache block names the LMCache mode's ports whatever the
+connector, and kvEvents the KV-cache event ports whether or not the engines publish them. */ -}}
 {{- $port := dict
   "listen" (include "pd-inference.port" (dict "ctx" . "component" "router" "name" "http") | int)
   "prefill" (include "pd-inference.port" (dict "ctx" . "component" "prefill" "name" "http") | int)
@@ -14,6 +15,8 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
   "sidecar" (include "pd-inference.port" (dict "ctx" . "component" "prefill" "name" "notify-sidecar" "connector" "lmcache" "receiver" "prefillSidecar") | int)
   "init" (include "pd-inference.portNumbers" (dict "ctx" . "component" "decode" "field" "ports.lmcacheInitBase" "connector" "lmcache") | fromJsonArray)
   "alloc" (include "pd-inference.portNumbers" (dict "ctx" . "component" "decode" "field" "ports.lmcacheAllocBase" "connector" "lmcache") | fromJsonArray)
+  "kvEvents" (include "pd-inference.port" (dict "ctx" . "component" "decode" "name" "kv-events" "kvEvents" true) | int)
+  "kvReplay" (include "pd-inference.port" (dict "ctx" . "component" "decode" "name" "kv-replay" "kvEvents" true) | int)
 -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" $port.listen "workers" (include "pd-inference.routerWorkers" . | int))
@@ -25,7 +28,8 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
     "timeoutSeconds" (include "pd-inference.routerTokenizerFetchSeconds" . | int)))
   "routing" (dict "connector" $v.kvTransfer.connector "threshold" (int $r.threshold) "sessionAffinityHeader" $r.sessionAffinityHeader "decision" $r.decision
     "prefixCache" (dict "capacityTokens" (int $r.prefixCache.capacityTokens) "maxLoadImbalance" (int $r.prefixCache.maxLoadImbalance))
-    "prefillBusy" (dict "queuedTokens" (int $r.prefillBusy.queuedTokens) "maxDecoderRequests" (int $r.prefillBusy.maxDecoderRequests)))
+    "prefillBusy" (dict "queuedTokens" (int $r.prefillBusy.queuedTokens) "maxDecoderRequests" (int $r.prefillBusy.maxDecoderRequests))
+    "kvEvents" (dict "enabled" $v.engine.kvEvents.enabled "port" $port.kvEvents "replayPort" $port.kvReplay "topic" (include "pd-inference.kvEventsTopic" .)))
   "pools" (dict
     "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" $port.prefill "refreshSeconds" (int $r.discoveryRefreshSeconds)))
     "decode" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "decode")) "port" $port.decode "refreshSeconds" (int $r.discoveryRefreshSeconds))))
