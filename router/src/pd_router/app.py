@@ -37,6 +37,7 @@ from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route, run
+from pd_router.kv_events import KvEventIndex
 from pd_router.legs import Downstream, Legs
 from pd_router.logs import AccessLog
 from pd_router.metrics import MULTIPROC_ENV, Metrics
@@ -94,11 +95,53 @@ class Router:
                 m.kv_revisions.labels(pool.name, rev).set(n)
             seen[pool.name] |= live.keys()
 
+        routing = cfg.routing
+        # the engines' KV events (pd_router.kv_events): only the prefix decision reads them
+        kv = (
+            routing.kv_events
+            if routing.kv_events.enabled and routing.decision == "prefix"
+            else None
+        )
+        self.events = (
+            KvEventIndex(kv, lambda p, st, n: m.kv_event_engines.labels(p, st).set(n))
+            if kv is not None
+            else None
+        )
+        watched: dict[str, tuple[str, Any]] = {}  # base -> (pool, (generation, source)) heard
+
+        def sync_events(pool: EndpointPool) -> None:
+            """Subscribe to each healthy engine that publishes, afresh for a new generation;
+            drop the others (an engine back from down is another generation anyway)."""
+            events = self.events
+            if events is None:
+                return
+            live = {}
+            for ep in pool.healthy:
+                if ep.events is not None:
+                    live[ep.base] = (ep.generation, ep.events)
+            for base in [b for b, (p, _) in watched.items() if p == pool.name and b not in live]:
+                del watched[base]
+                events.unwatch(base)
+            for ep in pool.healthy:
+                key = live.get(ep.base)
+                if key is None or watched.get(ep.base) == (pool.name, key):
+                    continue
+                watched[ep.base] = (pool.name, key)
+                cap = 0
+                if ep.cache is not None and ep.cache.capacity_tokens:
+                    cap = ep.cache.capacity_tokens // ep.cache.block_size
+                hybrid = ep.cache is not None and ep.cache.hybrid
+                events.watch(pool.name, ep.base, ep.generation, ep.events, cap, hybrid)
+
+        def on_pool_change(pool: EndpointPool) -> None:
+            on_change(pool)
+            sync_events(pool)
+
         self.prefill = EndpointPool(
-            "prefill", cfg.pools.prefill, cfg.health, on_change, cfg.model.served_name
+            "prefill", cfg.pools.prefill, cfg.health, on_pool_change, cfg.model.served_name, kv
         )
         self.decode = EndpointPool(
-            "decode", cfg.pools.decode, cfg.health, on_change, cfg.model.served_name
+            "decode", cfg.pools.decode, cfg.health, on_pool_change, cfg.model.served_name, kv
         )
         self.keys = ApiKeys(cfg.auth.api_keys_file)
         self.metrics_tokens = ApiKeys(
@@ -116,7 +159,8 @@ class Router:
         self.legs = Legs(
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, cfg.model.served_name
         )
-        self.decider = Decider(cfg.routing, self.counter)
+        self.decider = Decider(cfg.routing, self.counter, self.events)
+        self.decider.base_names = (cfg.model.served_name,)
         # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)
         self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
@@ -160,6 +204,8 @@ class Router:
             skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: skip cookie work
         )
+        if self.events is not None:  # before discovery: its first engines are watched at once
+            self.events.start(lambda outcome: self.metrics.kv_event_batches.labels(outcome).inc())
         await asyncio.gather(self.prefill.start(self.session), self.decode.start(self.session))
         loop = asyncio.get_running_loop()
         if self.cfg.auth.api_keys_file or self.cfg.auth.metrics_tokens_file:
@@ -193,6 +239,8 @@ class Router:
         await self.prefill.stop()
         await self.decode.stop()
         await self.disaggregated.stop()
+        if self.events is not None:
+            self.events.stop()
         self.counter.close()
         self.up.close()
         if self.session is not None:
@@ -498,8 +546,10 @@ class Router:
         ctx.ids = d.ids
         ctx.reason = d.reason
         if d.blocks is not None and d.decoder is not None:
-            out.prefix(d.matched, (d.tokens or 0) - d.matched)
+            out.prefix(d.matched, (d.tokens or 0) - d.matched, d.estimate)
             ctx.decoder = d.decoder
+            ctx.prefiller = d.prefiller
+            ctx.cached, ctx.cached_source = d.matched, d.estimate
             # what it will hold once this prompt is prefilled there (or its KV lands there)
             decider.remember(d.decoder, d.blocks, self.decode.endpoints.values())
         route = self.disaggregated if d.disaggregate else self.direct

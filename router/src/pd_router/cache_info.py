@@ -16,8 +16,9 @@ A hybrid model's prefix is reusable only where vLLM checkpointed its linear-atte
 router cannot tell from the prompts it sent. Measured on vLLM 0.31.0's CPU build with a tiny
 Qwen3.5-style model (tests/real_engine/test_real_hybrid.py): a conversation's next turn reused
 nothing in one run and two 256-token blocks in another, the very same prompt again reused nothing
-after a direct turn and three blocks after a disaggregated one. So the router claims nothing of
-a hybrid engine's cache (``hybrid``); vLLM's KV-cache events would tell.
+after a direct turn and three blocks after a disaggregated one. So the approximate index claims
+nothing of a hybrid engine's cache (``hybrid``); the engines' KV-cache events tell
+(pd_router.kv_events).
 """
 
 from __future__ import annotations

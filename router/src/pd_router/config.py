@@ -103,6 +103,21 @@ class PrefillBusy:
 
 
 @dataclass(frozen=True)
+class KvEvents:
+    """vLLM's KV-cache events (pd_router.kv_events): each engine publishes the blocks it stores
+    and evicts; the router subscribes to every discovered engine that says so on
+    ``/kv_event_sources`` and routes on what the engines hold. An engine that does not publish
+    (or publishes elsewhere than ``port``/``topic``) keeps the approximate index."""
+
+    enabled: bool = True
+    # the port every engine publishes on (vLLM's default, KVEventsConfig 0.31.0) and the port of
+    # its replay ROUTER; 0 = whatever each engine says (static pools of engines on one host)
+    port: int = 5557
+    replay_port: int = 5558
+    topic: str = "kv"
+
+
+@dataclass(frozen=True)
 class Routing:
     # the chart's default (kvTransfer.connector): one default for router and chart
     connector: Literal["lmcache", "nixl"] = "nixl"
@@ -113,6 +128,7 @@ class Routing:
     decision: Literal["prefix", "length"] = "prefix"
     prefix_cache: PrefixCache = field(default_factory=PrefixCache)
     prefill_busy: PrefillBusy = field(default_factory=PrefillBusy)
+    kv_events: KvEvents = field(default_factory=KvEvents)
 
 
 @dataclass(frozen=True)
@@ -408,6 +424,9 @@ def _validate(cfg: RouterConfig) -> None:
         raise ConfigError(
             f"routing.prefillBusy.maxDecoderRequests: must be >= 1, got {pb.max_decoder_requests}"
         )
+    ke = cfg.routing.kv_events
+    _check_port(ke.port, "routing.kvEvents.port", allow_zero=True)
+    _check_port(ke.replay_port, "routing.kvEvents.replayPort", allow_zero=True)
     hdr = cfg.routing.session_affinity_header
     if hdr and not re.fullmatch(HEADER_NAME_RE, hdr):
         raise ConfigError(f"routing.sessionAffinityHeader: not a valid header name: {hdr!r}")

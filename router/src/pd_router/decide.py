@@ -39,6 +39,7 @@ from pd_router import balancing
 from pd_router.config import Routing
 from pd_router.discovery import Endpoint
 from pd_router.failures import TokenizeError
+from pd_router.kv_events import Identity, KvEventIndex, identity_of
 from pd_router.openai_wire import is_batch
 from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex, identity
 from pd_router.tokens import (
@@ -78,6 +79,19 @@ class Decision:
     decoder: Endpoint | None = None  # chosen first (prefix mode); None: the route's balancer
     matched: int = 0  # prompt tokens the decoder is taken to hold already (whole engine blocks)
     blocks: Blocks | None = None  # what to record on the decoder that is sent the prompt
+    # where ``matched`` comes from: "events" (the engines' KV events), "approximate" (the
+    # router's own index, pd_router.prefix), "" (not estimated)
+    estimate: str = ""
+    prefiller: Endpoint | None = None  # the prefiller holding the longest prefix (events only)
+
+
+@dataclass(frozen=True, slots=True)
+class Exact:
+    """The prompt as the engines hold it: its token ids as vLLM renders them and the rest of
+    its blocks' identity (pd_router.kv_events)."""
+
+    ids: list[int]
+    ident: Identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +104,9 @@ class Pools:
 
 
 class Decider:
-    def __init__(self, routing: Routing, counter: TokenCounter) -> None:
+    def __init__(
+        self, routing: Routing, counter: TokenCounter, events: KvEventIndex | None = None
+    ) -> None:
         self.threshold = routing.threshold
         self.counter = counter
         pc = routing.prefix_cache
@@ -99,6 +115,9 @@ class Decider:
         self.imbalance = pc.max_load_imbalance
         self.busy_tokens = routing.prefill_busy.queued_tokens
         self.max_decoder_requests = routing.prefill_busy.max_decoder_requests
+        # the engines' KV events (routing.kvEvents): exact where an engine's picture is
+        self.events = events if prefix else None
+        self.base_names: tuple[str, ...] = ()  # the base model's names (not a LoRA adapter)
 
     async def decide(
         self, body: dict[str, Any], chat: bool, tokenize: Tokenize, pools: Pools
@@ -122,7 +141,10 @@ class Decider:
             blocks = index.of_ids(c.ids or [], seed)
         else:
             blocks = index.of_text(data, c.text_tokens, seed)
-        dec, held = self._decoder(pools, blocks)
+        exact = None
+        if c.tokens >= th and self.events is not None:
+            exact, c = await self._exact(body, chat, c, tokenize, pools)
+        dec, held, est = self._decoder(pools, blocks, exact)
         # vLLM recomputes at least the prompt's last token (kv_cache_manager.py, 0.31.0)
         matched = min(held, max(0, c.tokens - 1))
         reason, disagg = "above_threshold", True
@@ -134,7 +156,64 @@ class Decider:
             dec is None or dec.active < self.max_decoder_requests
         ):
             reason, disagg = "prefill_busy", False
-        return Decision(disagg, c.source, reason, c.tokens, c.exact, c.ids, dec, matched, blocks)
+        pre = self._prefiller(pools.prefillers, exact) if disagg and exact is not None else None
+        return Decision(
+            disagg, c.source, reason, c.tokens, c.exact, c.ids, dec, matched, blocks, est, pre
+        )
+
+    async def _exact(
+        self, body: dict[str, Any], chat: bool, c: Count, tokenize: Tokenize, pools: Pools
+    ) -> tuple[Exact | None, Count]:
+        """The prompt's ids when an engine's events could say what it holds (a long prompt, a
+        reproducible identity, an engine with an exact, non-empty picture); the count becomes
+        exact. Only here does a long prompt pay for the engine's /tokenize."""
+        events = self.events
+        assert events is not None
+        pictures = [
+            events.exact(ep.base, ep.generation) for ep in (*pools.decoders, *pools.prefillers)
+        ]
+        if not any(e is not None and e.blocks for e in pictures):
+            if pictures and all(e is not None for e in pictures):
+                return Exact([], Identity()), c  # every engine is known to hold nothing
+            return None, c
+        model = body.get("model")
+        lora = None if model is None or model in self.base_names else model
+        if isinstance(model, str) and any(model.startswith(n + "@") for n in self.base_names):
+            lora = None  # the revision's name (pd_router.revision)
+        ident = identity_of(body, chat, lora)
+        if not ident.reproducible:
+            return Exact([], ident), c
+        ids = c.ids
+        if ids is None:
+            try:
+                ids = await tokenize(body, chat)
+            except TokenizeError:
+                return None, c
+            c = Count("engine", len(ids), True, ids, c.allowance)
+        return Exact(ids, ident), c
+
+    def _exact_hit(self, ep: Endpoint, exact: Exact | None) -> int | None:
+        """Prompt tokens ``ep`` holds by its events; None when its picture is not exact."""
+        if exact is None or self.events is None:
+            return None
+        e = self.events.exact(ep.base, ep.generation)
+        if e is None:
+            return None
+        if not exact.ident.reproducible:
+            return 0  # an identity the router cannot reproduce claims nothing
+        return e.hit_tokens(exact.ids, exact.ident.extras)
+
+    def _prefiller(self, prefillers: Sequence[Endpoint], exact: Exact) -> Endpoint | None:
+        """The prefiller holding the longest prefix by its events (prefill-side reuse), unless
+        it is ``maxLoadImbalance`` requests busier than the least busy; None: the balancer's."""
+        best, best_n = None, 0
+        for ep in prefillers:
+            n = self._exact_hit(ep, exact) or 0
+            if n > best_n or (n == best_n and best is not None and ep.active < best.active):
+                best, best_n = ep, n
+        if best is None or best.active > min(p.active for p in prefillers) + self.imbalance:
+            return None
+        return best
 
     def remember(self, ep: Endpoint, blocks: Blocks, known: Collection[Endpoint]) -> None:
         """``ep`` is sent the prompt; decoders no longer ``known`` (discovery) are forgotten."""
@@ -143,34 +222,41 @@ class Decider:
         index.record(ep, blocks)
         index.forget_except(known)
 
-    def _held(self, ep: Endpoint, blocks: Blocks) -> int:
-        """Prompt tokens ``ep`` is taken to hold (whole blocks of its own)."""
+    def _held(self, ep: Endpoint, blocks: Blocks, exact: Exact | None) -> tuple[int, str]:
+        """Prompt tokens ``ep`` is taken to hold (whole blocks of its own) and from where: its
+        KV events where its picture is exact, else the approximate index."""
+        n = self._exact_hit(ep, exact)
+        if n is not None:
+            return n, "events"
         index = self.index
         assert index is not None
-        return index.claimed(ep, blocks, index.matched(ep, blocks))
+        return index.claimed(ep, blocks, index.matched(ep, blocks)), "approximate"
 
-    def _decoder(self, pools: Pools, blocks: Blocks) -> tuple[Endpoint | None, int]:
+    def _decoder(
+        self, pools: Pools, blocks: Blocks, exact: Exact | None
+    ) -> tuple[Endpoint | None, int, str]:
         """The decoder holding the most of ``blocks`` (ties: the least busy), unless it is
         ``maxLoadImbalance`` requests busier than the least busy decoder; with a session
-        affinity key, the session's decoder. Returns it and the prompt tokens it holds."""
+        affinity key, the session's decoder. Returns it, the prompt tokens it holds and where
+        that figure comes from."""
         eps = pools.decoders
         if not eps:
-            return None, 0
+            return None, 0, ""
         if pools.affinity:
             ep = balancing.pick(eps, balancing.decode_load, pools.affinity)
             assert ep is not None
-            return ep, self._held(ep, blocks)
+            return ep, *self._held(ep, blocks, exact)
         best: Endpoint | None = None
-        best_n = 0
+        best_n, best_src = 0, ""
         for ep in eps:
-            n = self._held(ep, blocks)
+            n, src = self._held(ep, blocks, exact)
             if n > best_n or (n == best_n and best is not None and ep.active < best.active):
-                best, best_n = ep, n
+                best, best_n, best_src = ep, n, src
         if best is None or best.active > min(e.active for e in eps) + self.imbalance:
             ep = balancing.pick(eps, balancing.decode_load)
             assert ep is not None
-            return ep, self._held(ep, blocks)
-        return best, best_n
+            return ep, *self._held(ep, blocks, exact)
+        return best, best_n, best_src
 
     def _prefill_busy(self, prefillers: Sequence[Endpoint]) -> bool:
         """Every healthy prefiller has ``queuedTokens`` prompt tokens in flight or more (none

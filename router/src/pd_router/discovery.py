@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from pd_router import cache_info, revision
+from pd_router import cache_info, kv_events, revision
 from pd_router.cache_info import CacheInfo
-from pd_router.config import Health, Pool
+from pd_router.config import Health, KvEvents, Pool
 
 log = logging.getLogger("pd_router.discovery")
 
@@ -32,6 +32,7 @@ class Endpoint:
         "consec_ok",
         "ejected_until",
         "ejections",
+        "events",
         "generation",
         "healthy",
         "host",
@@ -65,6 +66,8 @@ class Endpoint:
         self.cache: CacheInfo | None = None  # what it said of its KV cache (vllm:cache_config_info)
         # its KV-compatibility revision (pd_router.revision): None = not known, pairs with none
         self.revision: str | None = None
+        # where it publishes its KV events (pd_router.kv_events), when it does and may be heard
+        self.events: kv_events.Source | None = None
         # whether cache and revision were read since it last went down (or was refused)
         self.learnt = False
 
@@ -80,8 +83,10 @@ class EndpointPool:
         health: Health,
         on_change: Callable[[EndpointPool], None] | None = None,
         served: str = "",
+        kv: KvEvents | None = None,
     ) -> None:
         self.name = name
+        self.kv = kv if kv is not None and kv.enabled else None  # routing.kvEvents
         self.served = served  # model.servedName: the name its revision's name starts with
         self.cfg = cfg
         self.health = health
@@ -193,10 +198,13 @@ class EndpointPool:
         """Read what the engine says of itself: ``vllm:cache_config_info`` (None: it does not
         say, and the router claims none of its cache) and its revision (None: its
         ``/v1/models`` did not answer, and it pairs with nothing; asked again next check)."""
-        cache, rev = await asyncio.gather(self._ask_cache(ep), self._ask_revision(ep))
+        cache, rev, events = await asyncio.gather(
+            self._ask_cache(ep), self._ask_revision(ep), self._ask_kv_events(ep)
+        )
         if ep.removed:
             return
         ep.cache = cache
+        ep.events = events
         if cache is None:
             log.info("pool %s: %s tells nothing of its KV cache", self.name, ep.base)
         changed = rev != ep.revision
@@ -217,6 +225,26 @@ class EndpointPool:
         except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
             pass
         return None
+
+    async def _ask_kv_events(self, ep: Endpoint) -> kv_events.Source | None:
+        """Its KV-event publisher (``GET /kv_event_sources``, vLLM 0.31.0), checked against
+        routing.kvEvents; None (the approximate index) when off, absent or elsewhere."""
+        if self.kv is None:
+            return None
+        assert self._session is not None
+        try:
+            async with asyncio.timeout(self.health.timeout_seconds):
+                async with self._session.get(ep.base + "/kv_event_sources") as resp:
+                    if resp.status != 200:
+                        return None  # not vLLM, or an older one: nothing to hear
+                    src, why = kv_events.source_of(
+                        orjson.loads(await resp.read()), ep.host, self.kv
+                    )
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+        if src is None:
+            log.warning("pool %s: %s %s: approximate prefix index", self.name, ep.base, why)
+        return src
 
     async def _ask_revision(self, ep: Endpoint) -> str | None:
         assert self._session is not None

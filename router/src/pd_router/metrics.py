@@ -21,6 +21,9 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# where a decision's cached-prefix figure came from (pd_router.decide Decision.estimate)
+ESTIMATE_SOURCES = ("events", "approximate")
+KV_EVENT_OUTCOMES = ("applied", "replayed", "gap", "restarted", "malformed")  # pd_router.kv_events
 _TOK = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -140,6 +143,29 @@ class Metrics:
             buckets=_TOK,
             registry=r,
         )
+        self.prefix_estimates = Counter(
+            "pd_router_prefix_estimates",
+            "Decisions by where the chosen decoder's cached-prefix figure came from: events "
+            "(the engines' KV events, exact), approximate (the router's own index)",
+            ["source"],
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "pd_router_kv_event_batches",
+            "KV-event batches from the engines by outcome: applied, replayed (recovered from "
+            "an engine's replay endpoint), gap (missed, picture dropped), restarted (a new "
+            "publisher), malformed",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_event_engines = Gauge(
+            "pd_router_kv_events_engines",
+            "Subscribed engines by pool and whether their KV-event picture is exact or "
+            "uncertain (after a gap that could not be replayed: the approximate index stands in)",
+            ["pool", "state"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.upstream_errors = Counter(
             "pd_router_upstream_errors",
             "Upstream failures by pool and kind",
@@ -239,6 +265,10 @@ class Metrics:
             self.batch_requests.labels(reason)
         for path in PASSTHROUGH_PATHS:
             self.passthrough.labels(path)
+        for source in ESTIMATE_SOURCES:
+            self.prefix_estimates.labels(source)
+        for outcome in KV_EVENT_OUTCOMES:
+            self.kv_event_batches.labels(outcome)
 
     def preset_lmcache(self, receiver: str) -> None:
         """The LMCache hand-off's counters, for the notification receiver in use."""

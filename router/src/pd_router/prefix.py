@@ -1,4 +1,6 @@
-"""Which decoder probably holds a prompt's prefix in its vLLM prefix cache, and how much of it.
+"""Which decoder probably holds a prompt's prefix in its vLLM prefix cache, and how much of it,
+for engines whose KV-cache events the router does not hear (pd_router.kv_events is exact where
+it does).
 
 An approximate index, like llm-d's approximate prefix-cache scorer and vllm-router's
 cache-aware policy: per decoder, the chained hashes of the prompt blocks this router process

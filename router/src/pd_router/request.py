@@ -49,6 +49,8 @@ class Ctx:
     __slots__ = (
         "affinity",
         "body",
+        "cached",
+        "cached_source",
         "chat",
         "decided",
         "decoder",
@@ -56,6 +58,7 @@ class Ctx:
         "ids",
         "outcome",
         "path",
+        "prefiller",
         "ptok",
         "raw",
         "reason",
@@ -78,6 +81,9 @@ class Ctx:
         self.route = DIRECT
         self.reason = ""  # why it went there: decide.REASONS, or the fallback's reason
         self.decoder: Endpoint | None = None  # the decision's decoder (legs prefer it)
+        self.prefiller: Endpoint | None = None  # the decision's prefiller (KV events), if any
+        self.cached = 0  # prompt tokens the decoder was taken to hold (x-pd-cached-tokens)
+        self.cached_source = ""  # from where: decide.Decision.estimate; "" = not estimated
         self.revision = ""  # KV revision of the decoder that answered (pd_router.revision)
         self.t0 = time.perf_counter()
         # how it went, counted once by Outcomes.finish: the pd_router_requests_total outcome
@@ -96,6 +102,8 @@ class Ctx:
         h = {"x-pd-route": self.route, "x-pd-reason": self.reason, "x-request-id": self.rid}
         if self.revision:
             h["x-pd-kv-revision"] = self.revision
+        if self.cached_source:
+            h["x-pd-cached-tokens"] = f"{self.cached}; source={self.cached_source}"
         return h
 
 
@@ -174,9 +182,11 @@ class Outcomes:
         ctx.route = FALLBACK
         ctx.reason = reason
 
-    def prefix(self, matched: int, uncached: int) -> None:
+    def prefix(self, matched: int, uncached: int, source: str) -> None:
         self.metrics.prefix_matched.observe(matched)
         self.metrics.uncached.observe(uncached)
+        if source:
+            self.metrics.prefix_estimates.labels(source).inc()
 
     def batch(self, reason: str) -> None:
         """A request for several completions, served directly (openai_wire.batch_reason)."""

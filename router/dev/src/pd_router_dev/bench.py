@@ -60,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from pd_router_dev import decision_cost, fastengine, mixed, multiturn, profile
+from pd_router_dev import decision_cost, fastengine, kv_events_cost, mixed, multiturn, profile
 from pd_router_dev.devstack import (
     DEMO_CONFIG,
     Proc,
@@ -899,8 +899,12 @@ def render(
         lines += _mixed_table(mixed_rows)
     if multiturn_rows:
         lines += _multiturn_table(multiturn_rows, extra)
+    kv_rows = [r for r in cost_rows or () if r["kind"].startswith("kv_events")]
+    cost_rows = [r for r in cost_rows or () if not r["kind"].startswith("kv_events")]
     if cost_rows:
         lines += _decision_cost_table(cost_rows)
+    if kv_rows:
+        lines += kv_events_cost.table(kv_rows)
     if profile_rows:
         lines += profile.table(profile_rows)
     if b.notes:
@@ -1021,6 +1025,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-decision-cost", action="store_true", help="skip the decision's cost measurement"
     )
     p.add_argument(
+        "--no-kv-events-cost",
+        action="store_true",
+        help="skip the KV-cache events' cost measurement (decision on/off, ingest)",
+    )
+    p.add_argument(
         "--profile-seconds",
         type=float,
         default=8.0,
@@ -1068,6 +1077,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_decision_cost:
         say("bench: the routing decision's cost, in this process")
         cost_rows = decision_cost.run(a.decision_cost_runs, say)
+    if not a.no_kv_events_cost:
+        say("bench: the KV-cache events' cost, in this process")
+        cost_rows += kv_events_cost.run(log=say)
     if not a.no_profile and not failed:  # fastengine built above, or now
         try:
             fastengine.binary()

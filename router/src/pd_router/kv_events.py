@@ -1,0 +1,666 @@
+"""What every engine's KV cache holds, from vLLM's own KV-cache events: the precise prefix index.
+
+Each engine publishes (``--kv-events-config``, rendered by the chart for both roles) every block
+it stores and evicts over ZMQ PUB; the router subscribes to every engine that says so on
+``GET /kv_event_sources`` and keeps, per engine, the blocks it holds. pd_router.decide asks
+:meth:`KvEventIndex.held` instead of the approximate index (pd_router.prefix) wherever an
+engine's picture is exact. Checked against vLLM 0.31.0 (its CPU build too) and 0.33.0:
+``distributed/kv_events.py`` (wire), ``v1/core/block_pool.py`` (what is published),
+``v1/core/kv_cache_coordinator.py`` (how a hit is found).
+
+Wire: multipart (topic, 8-byte big-endian sequence number, msgpack ``EventBatch``
+``[ts, events, data_parallel_rank]``); events are maps tagged ``type``: ``BlockStored``
+(block_hashes, parent_block_hash, token_ids, block_size, lora_name, extra_keys one entry per
+block: LoRA name, ``(mm_identifier, offset)`` pairs, cache_salt, prompt-embeds digests, untagged;
+group_idx), ``BlockRemoved`` (block_hashes, group_idx), ``AllBlocksCleared``. The replay ROUTER
+answers ``[b"", start_seq]`` with every buffered batch from ``start_seq`` as
+``[b"", topic, seq, payload]`` and ends with seq -1.
+
+Decision: index the token ids the events carry, not vLLM's block hashes. Recomputing vLLM's
+hashes needs its hash function (``--prefix-caching-hash-algo``), its NONE_HASH seed (random per
+process unless PYTHONHASHSEED is set) and the 64-bit folding of
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, all of which change across versions; the token ids are
+the ground truth they are a hash of. So each stored block gets a router key, ``hash((parent's
+key, its token ids, its extra keys))``, chained through the engine's parent hash, and a
+request's blocks get the same keys from its token ids as vLLM renders them (the engine's
+/tokenize, same body). The hash algorithm then cannot disagree between chart, router and
+engines; what can is the block size (each event carries it, and the request is cut at each
+group's own size) and the publisher's endpoint and topic (checked against ``/kv_event_sources``
+when the engine is admitted).
+
+A request whose identity the router cannot reproduce claims nothing: images or other non-text
+parts (multimodal hashes), prompt embeddings. cache_salt is the first block's extra key, a LoRA
+name every block's (``generate_block_hash_extra_keys``), so both are reproduced.
+
+A new subscription first asks the replay endpoint for everything from sequence 0 (vLLM keeps
+``buffer_steps`` batches): a router replica started next to running engines knows their caches
+at once. An engine's picture starts empty when it (re)starts: a new healthy generation, a
+sequence number that goes back (a new publisher), ``AllBlocksCleared``. A gap in the sequence is
+repaired from the replay endpoint; when the replay cannot reach back that far (or there is
+none), the picture is dropped and marked *uncertain*
+(``pd_router_kv_events_engines{state="uncertain"}``): the approximate index stands in for that
+engine until it has stored as many blocks as its cache holds since (every block it then holds
+was announced after the gap). Dropping only ever under-claims; keeping a picture across a gap
+could over-claim blocks evicted unseen.
+
+Threads: one daemon thread per process owns the ZMQ sockets, decodes and applies the events; the
+event loop only reads (``key in dict``, safe under the GIL). Each router replica and worker
+process subscribes on its own (PUB fans out); none needs the others.
+
+Memory: two dict entries and two ints per block (the engine's hash -> key, key -> count):
+router/tests/test_kv_events.py measures it per block and at a million blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+
+from pd_router.config import KvEvents
+
+log = logging.getLogger("pd_router.kv_events")
+
+ROOT = 0  # the router key a first block chains from (vLLM's NONE_HASH)
+REPLAY_TIMEOUT_SECONDS = 2.0  # a replay not finished by then leaves the engine uncertain
+_END_SEQ = -1
+_POLL_MS = 100
+# kv_cache_spec kinds (v1/kv_cache_interface.py KVCacheSpecKind) whose hit is the last block(s)
+# before the hit length, not a leading run: Mamba keeps one state, a sliding window its window
+_LAST_BLOCK_KINDS = ("mamba",)
+_WINDOW_KINDS = ("sliding_window", "sliding_window_mla", "chunked_local_attention")
+_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+
+Hash = int | bytes
+
+
+# ---------------------------------------------------------------- wire (vLLM's msgspec classes)
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[Hash] = []
+    parent_block_hash: Hash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[Hash] = []
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class Batch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_decode_batch = msgspec.msgpack.Decoder(Batch).decode
+
+
+# ---------------------------------------------------------------- where an engine publishes
+@dataclass(frozen=True, slots=True)
+class Source:
+    endpoint: str  # what the router's SUB connects to
+    replay: str | None  # the replay ROUTER, or None
+    topic: bytes
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _port_of(endpoint: Any) -> int | None:
+    """The port of a *bind* endpoint (``tcp://*:5557``): one the router can connect to."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://") or "*" not in endpoint:
+        return None
+    tail = endpoint.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def source_of(sources: Any, host: str, cfg: KvEvents) -> tuple[Source | None, str]:
+    """The engine's publisher from its ``/kv_event_sources`` answer (``{rank: KVEventsConfig}``,
+    vLLM 0.31.0 ``entrypoints/serve/instrumentator/basic.py``), or None and why not."""
+    if not isinstance(sources, dict) or not sources:
+        return None, "publishes no KV events"
+    if len(sources) != 1:
+        return None, f"has {len(sources)} data-parallel publishers (one index per engine only)"
+    c = next(iter(sources.values()))
+    if (
+        not isinstance(c, dict)
+        or not c.get("enable_kv_cache_events")
+        or c.get("publisher") != "zmq"
+    ):
+        return None, "publishes no KV events over ZMQ"
+    port = _port_of(c.get("endpoint"))
+    if port is None or (cfg.port and port != cfg.port):
+        return None, (
+            f"publishes on {c.get('endpoint')!r}, not on routing.kvEvents.port {cfg.port} "
+            "(a bind endpoint tcp://*:PORT)"
+        )
+    if c.get("topic", "") != cfg.topic:
+        return None, f"publishes topic {c.get('topic')!r}, not routing.kvEvents.topic {cfg.topic!r}"
+    replay = None
+    rport = _port_of(c.get("replay_endpoint"))
+    if rport is not None and (not cfg.replay_port or rport == cfg.replay_port):
+        replay = _tcp(host, rport)  # else a gap cannot be repaired: it waits to rebuild
+    return Source(_tcp(host, port), replay, cfg.topic.encode()), ""
+
+
+# ---------------------------------------------------------------- one engine's blocks
+def _frozen(x: Any) -> Any:
+    """An extra key as a hashable value (msgpack gives lists for tuples)."""
+    if isinstance(x, list | tuple):
+        return tuple(_frozen(v) for v in x)
+    return x
+
+
+def chain(ids: Sequence[int], block_size: int, extras: Sequence[Any] = ()) -> list[int]:
+    """Router keys of a prompt's full blocks: ``extras[i]`` is block i's extra-key tuple (None
+    or absent: none), as vLLM's events publish them."""
+    out: list[int] = []
+    k = ROOT
+    n = len(extras)
+    for i in range(len(ids) // block_size):
+        ex = extras[i] if i < n else None
+        k = hash((k, tuple(ids[i * block_size : (i + 1) * block_size]), ex))
+        out.append(k)
+    return out
+
+
+class Group:
+    """One KV-cache group's blocks on one engine (a hybrid model has several)."""
+
+    __slots__ = ("block_size", "by_hash", "held", "kind", "window")
+
+    def __init__(self) -> None:
+        self.by_hash: dict[Hash, int] = {}  # engine block hash -> router key
+        self.held: dict[int, int] = {}  # router key -> blocks holding it
+        self.block_size = 0
+        self.kind = "full_attention"
+        self.window = 0
+
+
+class EngineBlocks:
+    """What one engine (one healthy generation of it) holds, built from its events."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.groups: dict[int, Group] = {}
+        self.blocks = 0
+        self.certain = True
+        self.stored_since_gap = 0
+        self.capacity_blocks = 0  # the engine's cache in blocks (0: unknown)
+        self.last_seq: int | None = None
+        self.kinds: dict[int, str] = {}  # group -> spec kind, when the engine said
+        # a Mamba/linear-attention model (cache_info: mamba_cache_mode): its hit also needs its
+        # state groups, which may not have announced anything yet
+        self.hybrid = False
+
+    def clear(self) -> None:
+        self.groups = {}
+        self.blocks = 0
+
+    def uncertain(self) -> None:
+        self.clear()
+        self.certain = False
+        self.stored_since_gap = 0
+
+    def apply(self, events: Sequence[Any]) -> None:
+        for ev in events:
+            if type(ev) is BlockStored:
+                self._stored(ev)
+            elif type(ev) is BlockRemoved:
+                self._removed(ev)
+            else:
+                self.clear()  # AllBlocksCleared: reset_prefix_cache or a restart
+
+    def _group(self, idx: int | None) -> Group:
+        g = self.groups.get(idx or 0)
+        if g is None:
+            g = self.groups[idx or 0] = Group()
+            kind = self.kinds.get(idx or 0)
+            if kind:
+                g.kind = kind
+        return g
+
+    def _stored(self, ev: BlockStored) -> None:
+        g = self._group(ev.group_idx)
+        if ev.kv_cache_spec_kind:
+            g.kind = ev.kv_cache_spec_kind
+            g.window = ev.kv_cache_spec_sliding_window or 0
+        parent = ev.parent_block_hash
+        k: int | None = ROOT
+        if parent is not None:  # vLLM's hashes name a prefix boundary, whatever the group
+            k = g.by_hash.get(parent)
+            if k is None:
+                k = next(
+                    (o.by_hash[parent] for o in self.groups.values() if parent in o.by_hash), None
+                )
+        if k is None:
+            return  # its parent was never announced (before the router subscribed): unknown
+        bs = ev.block_size
+        hashes = ev.block_hashes
+        if bs <= 0 or not hashes:
+            return
+        g.block_size = g.block_size or bs
+        toks, extras = ev.token_ids, ev.extra_keys or ()
+        # The hashes name the last len(hashes) block boundaries the tokens span: one each for
+        # attention; a Mamba group's state names only the boundary it was checkpointed at, its
+        # tokens running from the parent's (vLLM 0.31.0 CPU build: one hash, 768 tokens).
+        skip = len(toks) // bs - len(hashes)
+        if skip < 0:
+            return
+        spans = [None] * skip + list(hashes)
+        n_extra = len(extras)
+        for i, h in enumerate(spans):
+            # a span's extra keys go with its first chunk (cache_salt: the prompt's first)
+            j = 0 if i == 0 else (i - skip if i > skip else n_extra)
+            ex = _frozen(extras[j]) if j < n_extra else None
+            k = hash((k, tuple(toks[i * bs : (i + 1) * bs]), ex))
+            if h is None:
+                continue
+            if h in g.by_hash:
+                continue
+            g.by_hash[h] = k
+            g.held[k] = g.held.get(k, 0) + 1
+            self.blocks += 1
+            self.stored_since_gap += 1
+        if (
+            not self.certain
+            and self.capacity_blocks
+            and self.stored_since_gap >= self.capacity_blocks
+        ):
+            self.certain = True  # every block it holds now was announced after the gap
+            log.info("kv events: an engine's picture is whole again after a gap")
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        g = self.groups.get(ev.group_idx or 0)
+        if g is None:
+            return
+        for h in ev.block_hashes:
+            k = g.by_hash.pop(h, None)
+            if k is None:
+                continue
+            self.blocks -= 1
+            n = g.held.get(k, 0) - 1
+            if n > 0:
+                g.held[k] = n
+            else:
+                g.held.pop(k, None)
+
+    def hit_tokens(self, ids: Sequence[int], extras: Callable[[int], list[Any]]) -> int:
+        """Prompt tokens vLLM would find cached (``find_longest_cache_hit`` of the unitary and
+        hybrid coordinators: each group shortens the candidate length until all agree; at most
+        all but the last prompt token, ``kv_cache_manager.get_computed_blocks``).
+        ``extras(n)``: the request's extra keys for n blocks."""
+        groups = [g for g in self.groups.values() if g.block_size > 0]
+        if not groups:
+            return 0
+        if self.hybrid and all(g.kind in _ATTENTION_KINDS for g in groups):
+            return 0  # its state groups announced nothing yet: they hold nothing known
+        length = max(0, len(ids) - 1)
+        cache: dict[int, list[int]] = {}
+        while True:
+            start = length
+            for g in groups:
+                bs = g.block_size
+                keys = cache.get(bs)
+                if keys is None:
+                    n = len(ids) // bs
+                    keys = cache[bs] = chain(ids, bs, extras(n))
+                length = _group_hit(g, keys, length)
+            if length == start:
+                return length
+
+
+def _group_hit(g: Group, keys: list[int], length: int) -> int:
+    bs = g.block_size
+    n = min(length // bs, len(keys))
+    held = g.held
+    if g.kind in _LAST_BLOCK_KINDS or g.kind in _WINDOW_KINDS:
+        need = 1 if g.kind in _LAST_BLOCK_KINDS else max(1, -(-max(0, g.window - 1) // bs))
+        for i in range(n, 0, -1):  # the last ``need`` blocks before i held
+            if all(keys[j] in held for j in range(max(0, i - need), i)):
+                return i * bs
+        return 0
+    i = 0
+    while i < n and keys[i] in held:
+        i += 1
+    return i * bs
+
+
+# ---------------------------------------------------------------- the index and its thread
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a request adds to its blocks' identity besides the token ids."""
+
+    salt: str | None = None
+    lora: str | None = None
+    reproducible: bool = True  # False: multimodal parts or embeddings (claims nothing)
+
+    def extras(self, n: int) -> list[Any]:
+        out: list[Any] = []
+        for i in range(n):
+            keys: tuple[Any, ...] = ()
+            if self.lora is not None:
+                keys += (self.lora,)
+            if i == 0 and self.salt is not None:
+                keys += (self.salt,)
+            out.append(keys or None)
+        return out
+
+
+def identity_of(body: dict[str, Any], chat: bool, lora: str | None) -> Identity:
+    salt = body.get("cache_salt")
+    ok = isinstance(salt, str | None) and "prompt_embeds" not in body
+    if chat and ok:
+        for m in body.get("messages") or ():
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list) and any(
+                not (isinstance(p, dict) and p.get("type") == "text") for p in c
+            ):
+                ok = False
+                break
+    return Identity(salt if isinstance(salt, str) else None, lora, ok)
+
+
+class KvEventIndex:
+    """Every subscribed engine's blocks; ``held`` is what the decision reads."""
+
+    def __init__(self, cfg: KvEvents, on_state: Callable[[str, str, int], None] | None = None):
+        self.cfg = cfg
+        self.engines: dict[str, EngineBlocks] = {}  # endpoint base -> its blocks
+        self._on_state = on_state  # (pool, state, engines) for the gauge
+        self._pools: dict[str, str] = {}  # base -> pool
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._wake_addr = f"inproc://pd-kv-events-{id(self)}"
+        self._wake: zmq.Socket[Any] | None = None
+        self.batches = 0  # batches applied (tests wait on it through the metrics)
+        self._counted: Callable[[str], None] = lambda outcome: None
+
+    # ---------------------------------------------------------------- loop side
+    def exact(self, base: str, generation: int) -> EngineBlocks | None:
+        """The engine's picture if it is exact for this generation, else None (approximate)."""
+        e = self.engines.get(base)
+        return e if e is not None and e.generation == generation and e.certain else None
+
+    def state(self, base: str, generation: int) -> str:
+        e = self.engines.get(base)
+        if e is None or e.generation != generation:
+            return "approximate"
+        return "exact" if e.certain else "uncertain"
+
+    def start(self, counted: Callable[[str], None] | None = None) -> None:
+        if counted is not None:
+            self._counted = counted
+        self._ctx = zmq.Context()
+        self._wake = self._ctx.socket(zmq.PAIR)
+        self._wake.bind(self._wake_addr)
+        self._thread = threading.Thread(target=self._run, name="pd-kv-events", daemon=True)
+        self._thread.start()
+
+    def _send(self, *cmd: Any) -> None:
+        self._cmds.put(cmd)
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                wake.send(b"", zmq.NOBLOCK)
+
+    def watch(
+        self,
+        pool: str,
+        base: str,
+        generation: int,
+        source: Source,
+        capacity_blocks: int,
+        hybrid: bool = False,
+    ) -> None:
+        """Subscribe to ``base``'s publisher for this generation (a new one starts empty)."""
+        self._send("watch", pool, base, generation, source, capacity_blocks, hybrid)
+
+    def unwatch(self, base: str) -> None:
+        self._send("unwatch", base)
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._send("stop")
+        self._thread.join(timeout=2)
+        self._thread = None
+        if self._wake is not None:
+            self._wake.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ---------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        assert self._ctx is not None
+        ctx = self._ctx
+        wake = ctx.socket(zmq.PAIR)
+        wake.connect(self._wake_addr)
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        subs: dict[str, zmq.Socket[Any]] = {}  # base -> SUB
+        by_sock: dict[zmq.Socket[Any], str] = {}
+        replays: dict[str, tuple[zmq.Socket[Any], float, list[tuple[int, bytes]]]] = {}
+        sources: dict[str, Source] = {}
+
+        def close(base: str) -> None:
+            s = subs.pop(base, None)
+            if s is not None:
+                poller.unregister(s)
+                by_sock.pop(s, None)
+                s.close(linger=0)
+            r = replays.pop(base, None)
+            if r is not None:
+                poller.unregister(r[0])
+                by_sock.pop(r[0], None)
+                r[0].close(linger=0)
+
+        def ask_replay(base: str, start: int, held: list[tuple[int, bytes]]) -> bool:
+            src = sources.get(base)
+            if src is None or src.replay is None:
+                return False
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(src.replay)
+            d.send_multipart((b"", start.to_bytes(8, "big")))
+            poller.register(d, zmq.POLLIN)
+            by_sock[d] = base
+            replays[base] = (d, time.monotonic() + REPLAY_TIMEOUT_SECONDS, held)
+            return True
+
+        def give_up(base: str, why: str) -> None:
+            e = self.engines.get(base)
+            r = replays.pop(base, None)
+            if r is not None:
+                poller.unregister(r[0])
+                by_sock.pop(r[0], None)
+                r[0].close(linger=0)
+            if e is not None:
+                log.warning("kv events: %s: %s; approximate index until rebuilt", base, why)
+                e.uncertain()
+                self._counted("gap")
+                self._report()
+
+        def take(base: str, seq: int, payload: bytes) -> None:
+            e = self.engines.get(base)
+            if e is None:
+                return
+            last = e.last_seq
+            if base in replays:
+                replays[base][2].append((seq, payload))  # applied once the replay is in
+                return
+            if last is not None and seq <= last:
+                if seq < last:  # a new publisher (the engine restarted): start empty
+                    e.clear()
+                    self._counted("restarted")
+                else:
+                    return  # a duplicate
+            elif (last is None and seq > 0) or (last is not None and seq > last + 1):
+                start = 0 if last is None else last + 1
+                if ask_replay(base, start, [(seq, payload)]):
+                    return
+                if last is not None:
+                    give_up(base, f"events {start}..{seq - 1} were missed and cannot be replayed")
+                # never seen: what came before only makes the picture smaller (under-claims)
+            apply(e, seq, payload)
+
+        def apply(e: EngineBlocks, seq: int, payload: bytes) -> None:
+            try:
+                batch = _decode_batch(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("kv events: an unreadable batch (seq %d): %s", seq, exc)
+                self._counted("malformed")
+                e.last_seq = seq
+                return
+            was = e.certain
+            e.apply(batch.events)
+            e.last_seq = seq
+            self.batches += 1
+            self._counted("applied")
+            if e.certain != was:
+                self._report()
+
+        def replayed(base: str, frames: list[bytes]) -> None:
+            r = replays.get(base)
+            e = self.engines.get(base)
+            if r is None or e is None or len(frames) != 4:
+                return
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == _END_SEQ:
+                sock, _, held = r
+                replays.pop(base)
+                poller.unregister(sock)
+                by_sock.pop(sock, None)
+                sock.close(linger=0)
+                for s, p in sorted(held):
+                    take(base, s, p)
+                return
+            last = e.last_seq
+            if last is not None and seq <= last:
+                return
+            if last is not None and seq > last + 1:
+                give_up(base, f"the replay starts at {seq}, after {last + 1}")
+                return
+            apply(e, seq, frames[3])
+            self._counted("replayed")
+
+        running = True
+        while running:
+            for s, _ in poller.poll(_POLL_MS):
+                if s is wake:
+                    with contextlib.suppress(zmq.ZMQError):
+                        while True:
+                            wake.recv(zmq.NOBLOCK)
+                    continue
+                base = by_sock.get(s)
+                if base is None:
+                    continue
+                try:
+                    while True:
+                        frames = s.recv_multipart(zmq.NOBLOCK)
+                        if s is subs.get(base):
+                            if len(frames) == 3:
+                                take(base, int.from_bytes(frames[1], "big"), frames[2])
+                        else:
+                            replayed(base, frames)
+                        if s.closed:
+                            break
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError:
+                    pass
+            now = time.monotonic()
+            for base, (_, deadline, _held) in list(replays.items()):
+                if now >= deadline:
+                    held = replays[base][2]
+                    give_up(base, "the replay did not answer in time")
+                    e = self.engines.get(base)
+                    for sq, p in sorted(held):
+                        if e is not None:
+                            apply(e, sq, p)
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "stop":
+                    running = False
+                    break
+                if cmd[0] == "unwatch":
+                    close(cmd[1])
+                    sources.pop(cmd[1], None)
+                    self.engines.pop(cmd[1], None)
+                    self._pools.pop(cmd[1], None)
+                    self._report()
+                    continue
+                _, pool, base, generation, source, capacity, hybrid = cmd
+                close(base)
+                sources[base] = source
+                e = EngineBlocks(generation)
+                e.capacity_blocks = capacity
+                e.hybrid = hybrid
+                self.engines[base] = e
+                self._pools[base] = pool
+                sock = ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, source.topic)
+                sock.connect(source.endpoint)
+                subs[base] = sock
+                by_sock[sock] = base
+                poller.register(sock, zmq.POLLIN)
+                log.info("kv events: subscribed to %s (%s)", source.endpoint, base)
+                # what it stored before the router heard it (a router started or restarted next
+                # to running engines): its replay buffer, from the start
+                ask_replay(base, 0, [])
+                self._report()
+        for base in list(subs):
+            close(base)
+        wake.close(linger=0)
+
+    def _report(self) -> None:
+        if self._on_state is None:
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for base, pool in self._pools.items():
+            e = self.engines.get(base)
+            if e is None:
+                continue
+            key = (pool, "exact" if e.certain else "uncertain")
+            counts[key] = counts.get(key, 0) + 1
+        for pool in set(self._pools.values()) | {"prefill", "decode"}:
+            for state in ("exact", "uncertain"):
+                self._on_state(pool, state, counts.get((pool, state), 0))
+
+
+def lora_of(model: Any, names: Sequence[str]) -> str | None:
+    """The LoRA adapter a request names (vLLM's ``lora_name`` is the served adapter name), or
+    None for the base model (its served name or its revision's)."""
+    return None if not isinstance(model, str) or model in names else model
+
+
+def base_host(base: str) -> str:
+    return urlsplit(base).hostname or ""
