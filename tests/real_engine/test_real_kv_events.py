@@ -1,26 +1,31 @@
-"""The routing decision against vLLM's real prefix cache: per request, the router's estimate of
-what the chosen decoder holds (``pd_router_prefix_matched_tokens``) against what vLLM reports it
-reused (``vllm:prompt_tokens_by_source_total{source="local_cache_hit"}``), on a multi-turn chat
-and on agents that share a system prompt and a task but each bring their own tools.
+"""The routing decision against vLLM's real prefix cache, with the engines' KV-cache events (the
+chart's default, pd_router.kv_events) and without them (the approximate index): per request,
+the router's estimate of what the chosen decoder holds (``x-pd-cached-tokens``) against what
+vLLM reports it reused (``vllm:prompt_tokens_by_source_total{source="local_cache_hit"}``).
 
-Measured on vLLM 0.31.0's CPU build (128-token blocks), one decoder, threshold 512, one request
-at a time (2026-12-02; each run writes its rows to prefix-estimates.json in the tier's work
-folder, and the last test prints them):
+Workloads, one request at a time, threshold 512 (the dev environment), vLLM 0.31.0's CPU build
+(128-token blocks), NIXL between the prefiller and the decoder:
 
-    workload          requests  estimate = reused  over vLLM's  mean |error|  decisions as vLLM's
-    multi-turn chat          6                 4/6          0/6     43 tokens                6/6
-    agents, own tools        9                 4/9          0/9    199 tokens                9/9
+- a multi-turn chat, its turns sent alternately through two router replicas (each subscribes on
+  its own);
+- three agents that share a system prompt and a task and differ only in their tools;
+- one long prompt with ``cache_salt`` s1, s1 again, s2, none;
+- the decoder replaced mid-run by one with a deliberately small KV cache (40 blocks), then a chat
+  and twelve long prompts (five blocks each) asked twice over, so the decoder evicts.
 
-The estimate is biased low on purpose (pd_router.prefix): it misses what vLLM reuses of an
-agent's system prompt (the tiny model's template, like Qwen's and Llama 3.x's, renders it before
-the tools, while the router hashes the tools first: 512 tokens on each agent's first step) and
-the answers the decoder generated and cached (one block, now and then), and never claims more
-than vLLM had, which would make the decoder prefill a long prompt itself.
+The events-off router runs the first three workloads (on texts of their own, so neither run
+reuses the other's blocks) and its figures are printed beside the events' (the last test).
+
+Before each request the test waits until every events router has applied every batch the engines
+published (its ``pd_router_kv_event_batches_total{outcome="applied"}`` against the engines'
+replay buffers, read with vLLM's own replay protocol): the next prompt is then decided on what
+the engines hold, not on a race with their publishers.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,20 +34,24 @@ import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
+from tests.real_engine.conftest import Pairs, Routers
+from tests.real_engine.events import STATE, metric, published, settle, until
 from tests.real_engine.prompts import ask, text
 
 HIT = "vllm:prompt_tokens_by_source_total"
-MATCHED = "pd_router_prefix_matched_tokens_sum"
 THRESHOLD = 512  # the dev environment's router.threshold (conftest's router renders it)
-BLOCK = 128  # the CPU build's KV block; the router reads it from vllm:cache_config_info
+BLOCK = 128  # the CPU build's KV block; the router reads it from the events
+SMALL_CACHE_BLOCKS = 40  # the replacement decoder's whole KV cache: 5,120 tokens
 
 
 @dataclass
 class Row:
+    run: str  # events | approximate
     workload: str
     step: str
     prompt_tokens: int
     estimate: int
+    source: str  # x-pd-cached-tokens' source
     reused: int
     route: str
     reason: str
@@ -57,26 +66,66 @@ class Row:
         return "disaggregated" if self.route == "disaggregated" else "direct"
 
 
-class Meter:
-    def __init__(self, router: Proc, decoder: engines.Engine, model: str) -> None:
-        self.router, self.decoder, self.model = router, decoder, model
+class Rig:
+    def __init__(self, pairs: Pairs, routers: Routers, workdir: Path, model: str, on: list[Proc], off: Proc) -> None:
+        self.pairs, self.routers, self.workdir, self.model = pairs, routers, workdir, model
+        self.on, self.off = on, off
+        self.retired = 0  # batches of the engines replaced since the routers started
         self.rows: list[Row] = []
 
-    def ask(self, workload: str, step: str, messages: list[dict[str, Any]], **extra: Any) -> str:
+    @property
+    def engines(self) -> list[engines.Engine]:
+        return list(self.pairs.pair.values())
+
+    @property
+    def decoder(self) -> engines.Engine:
+        return self.pairs.pair["decode"]
+
+    def settle(self) -> None:
+        settle(self.on, self.engines, self.retired)
+
+    def ask(
+        self, router: Proc, run: str, workload: str, step: str, messages: list[dict[str, Any]], **extra: Any
+    ) -> str:
+        if router is not self.off:
+            self.settle()
         hit0 = engines.value(self.decoder.metrics(), HIT, source="local_cache_hit")
-        est0 = engines.value(engines.metrics_text(self.router.url()), MATCHED)
-        got = ask(self.router.url(), self.model, True, messages, False, max_tokens=16, **extra)
+        got = ask(router.url(), self.model, True, messages, False, max_tokens=16, **extra)
         hit1 = engines.value(self.decoder.metrics(), HIT, source="local_cache_hit")
-        est1 = engines.value(engines.metrics_text(self.router.url()), MATCHED)
-        assert got.prompt_tokens
+        assert got.prompt_tokens and got.cached, got
         self.rows.append(
-            Row(workload, step, got.prompt_tokens, int(est1 - est0), int(hit1 - hit0), got.route, got.reason)
+            Row(
+                run,
+                workload,
+                step,
+                got.prompt_tokens,
+                got.cached_tokens,
+                got.cached_source,
+                int(hit1 - hit0),
+                got.route,
+                got.reason,
+            )
         )
         return got.text
 
+    def replace_decoder(self, extra: list[str]) -> None:
+        """The decoder restarted (same address, as a pod replaced in place) with ``extra``."""
+        old = self.decoder
+        self.retired += published(old)
+        old.stop()
+        for r in self.on:
+            until("the stopped decoder dropped", lambda r=r: metric(r, STATE, pool="decode", state="exact") == 0, 60)
+        new = engines.engine("decode", "dense", 1, self.workdir, extra=extra, port=old.port)
+        self.pairs.pair["decode"] = new
+        new.start()
+        engines.wait_ready([new])
+        for r in self.on:
+            until("the new decoder heard", lambda r=r: metric(r, STATE, pool="decode", state="exact") == 1, 60)
 
-SYSTEM = "You are an agent of the platform team. " + text("system", 300)
-TASK = "Task: " + text("task", 120)
+
+def system(run: str) -> str:
+    # the run's name first: the two runs share no block, not even the first
+    return f"[{run}] You are an agent of the platform team. " + text(f"{run}-system", 300)
 
 
 def tools(seed: str, n: int = 3) -> list[dict[str, Any]]:
@@ -93,78 +142,139 @@ def tools(seed: str, n: int = 3) -> list[dict[str, Any]]:
     ]
 
 
-def multi_turn(m: Meter, turns: int = 6) -> None:
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+def multi_turn(rig: Rig, routers: list[Proc], run: str, turns: int = 6, label: str = "multi-turn chat") -> None:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system(run)}]
     for t in range(turns):
-        msgs.append({"role": "user", "content": text(f"turn-{t}", 90)})
-        answer = m.ask("multi-turn chat", f"turn {t + 1}", msgs)
+        msgs.append({"role": "user", "content": text(f"{run}-{label}-turn-{t}", 90)})
+        answer = rig.ask(routers[t % len(routers)], run, label, f"turn {t + 1}", msgs)
         msgs.append({"role": "assistant", "content": answer})
 
 
-def agents(m: Meter, n: int = 3, steps: int = 3) -> None:
+def agents(rig: Rig, router: Proc, run: str, n: int = 3, steps: int = 3) -> None:
+    task = "Task: " + text(f"{run}-task", 120)
     for a in range(n):
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-        own = tools(f"agent{a}")
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": system(run)}, {"role": "user", "content": task}]
+        own = tools(f"{run}agent{a}")
         for s in range(steps):
             # tool_choice none: the dev environment renders no --tool-call-parser (model.toolCallParser)
-            m.ask("agents with own tools", f"agent {a + 1} step {s + 1}", msgs, tools=own, tool_choice="none")
+            rig.ask(
+                router, run, "agents with own tools", f"agent {a + 1} step {s + 1}", msgs, tools=own, tool_choice="none"
+            )
             call = {
                 "id": f"call_{a}_{s}",
                 "type": "function",
                 "function": {"name": own[s % 3]["function"]["name"], "arguments": "{}"},
             }
             msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            msgs.append({"role": "tool", "tool_call_id": call["id"], "content": text(f"result-{a}-{s}", 60)})
+            msgs.append({"role": "tool", "tool_call_id": call["id"], "content": text(f"{run}-result-{a}-{s}", 60)})
+
+
+def salted(rig: Rig, router: Proc, run: str) -> None:
+    msgs = [{"role": "user", "content": text(f"{run}-salted", 400)}]
+    for step, salt in (("s1", "s1"), ("s1 again", "s1"), ("s2", "s2"), ("no salt", None)):
+        extra = {"extra_body": {"cache_salt": salt}} if salt else {}
+        rig.ask(router, run, "cache_salt", step, msgs, **extra)
+
+
+def evicting(rig: Rig, router: Proc, run: str, prompts: int = 12) -> None:
+    for cycle in (1, 2):
+        for p in range(prompts):
+            msgs = [{"role": "user", "content": text(f"{run}-evict-{p}", 330)}]
+            rig.ask(router, run, "small cache", f"prompt {p + 1} cycle {cycle}", msgs)
 
 
 @pytest.fixture(scope="module")
-def measured(router: Proc, pd: dict[str, engines.Engine], model_name: str, workdir: Path) -> list[Row]:
-    m = Meter(router, pd["decode"], model_name)
-    multi_turn(m)
-    agents(m)
-    (workdir / "prefix-estimates.json").write_text(json.dumps([asdict(r) for r in m.rows], indent=1))
-    return m.rows
+def measured(pairs: Pairs, routers: Routers, workdir: Path, model_name: str) -> Iterator[list[Row]]:
+    pd = pairs.get("dense")
+    assert pd["decode"].events_port and pd["prefill"].events_port, "the chart renders no KV events"
+    urls = ([pd["prefill"].url], [pd["decode"].url])
+    on = [routers.start(*urls), routers.start(*urls)]
+    off = routers.start(*urls, env={"PD_ROUTER__ROUTING__KVEVENTS__ENABLED": "false"})
+    rig = Rig(pairs, routers, workdir, model_name, on, off)
+    try:
+        for r in on:
+            until("both engines heard", lambda r=r: metric(r, STATE, state="exact") == 2)
+        multi_turn(rig, on, "events")
+        agents(rig, on[0], "events")
+        salted(rig, on[1], "events")
+        multi_turn(rig, [off], "approximate")
+        agents(rig, off, "approximate")
+        salted(rig, off, "approximate")
+        rig.replace_decoder([f"--num-gpu-blocks-override={SMALL_CACHE_BLOCKS}"])
+        multi_turn(rig, on, "events", turns=4, label="chat after the restart")
+        evicting(rig, on[0], "events")
+        (workdir / "kv-events-estimates.json").write_text(json.dumps([asdict(r) for r in rig.rows], indent=1))
+        yield rig.rows
+    finally:
+        for r in (*on, off):
+            r.stop()
+        pairs.stop()  # the decoder was replaced: no later module gets it
 
 
 def summary(rows: list[Row]) -> str:
-    lines = [f"{'workload':24} {'step':18} {'prompt':>6} {'estimate':>8} {'reused':>6} {'route':>14} {'vLLM says':>14}"]
+    lines = [
+        f"{'run':11} {'workload':22} {'step':18} {'prompt':>6} {'estimate':>8} {'reused':>6} {'route':>14} {'vLLM says':>14}"
+    ]
     for r in rows:
         lines.append(
-            f"{r.workload:24} {r.step:18} {r.prompt_tokens:6} {r.estimate:8} {r.reused:6} {r.taken:>14} {r.vllm_route:>14}"
+            f"{r.run:11} {r.workload:22} {r.step:18} {r.prompt_tokens:6} {r.estimate:8} {r.reused:6} {r.taken:>14} {r.vllm_route:>14}"
         )
-    err = [abs(r.estimate - r.reused) for r in rows]
-    agree = sum(r.taken == r.vllm_route for r in rows)
-    lines.append(
-        f"mean |error| {sum(err) / len(err):.0f} tokens, max {max(err)}; decisions agreeing with vLLM {agree}/{len(rows)}"
-    )
+    for run in ("events", "approximate"):
+        rs = [r for r in rows if r.run == run]
+        err = [abs(r.estimate - r.reused) for r in rs]
+        lines.append(
+            f"{run}: {len(rs)} requests, estimate = reused {sum(e == 0 for e in err)}/{len(rs)}, "
+            f"over vLLM's {sum(r.estimate > r.reused for r in rs)}, mean |error| {sum(err) / len(err):.0f} tokens "
+            f"(max {max(err)}), decisions as vLLM's {sum(r.taken == r.vllm_route for r in rs)}/{len(rs)}"
+        )
     return "\n".join(lines)
 
 
-def test_the_estimate_is_whole_blocks_and_never_more_than_vllm_reused(measured: list[Row]) -> None:
-    over = [r for r in measured if r.estimate > r.reused]
-    assert not over, summary(measured)
-    assert all(r.estimate % BLOCK == 0 for r in measured), summary(measured)
+def events_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.run == "events"]
 
 
-def test_the_next_turn_of_a_chat_is_found_on_its_decoder(measured: list[Row]) -> None:
-    chat = [r for r in measured if r.workload == "multi-turn chat"]
-    later = chat[1:]
-    # every later turn: the estimate holds all but at most two blocks of what vLLM reused (the
-    # answer the decoder generated and cached is unknown to the router; one block is rounding)
-    assert all(r.estimate >= r.reused - 2 * BLOCK for r in later), summary(measured)
-    assert all(r.estimate > 0 for r in later), summary(measured)
+def test_kv_events_estimate_equals_what_vllm_reused(measured: list[Row]) -> None:
+    rows = events_rows(measured)
+    assert all(r.source == "events" for r in rows), summary(measured)
+    equal = sum(r.estimate == r.reused for r in rows)
+    assert equal >= 0.95 * len(rows), summary(measured)
+    assert all(abs(r.estimate - r.reused) <= BLOCK for r in rows), summary(measured)
 
 
-def test_agents_with_other_tools_are_never_taken_for_cached(measured: list[Row]) -> None:
-    firsts = [r for r in measured if r.workload == "agents with own tools" and r.step.endswith("step 1")]
+def test_kv_events_decisions_equal_what_vllms_numbers_imply(measured: list[Row]) -> None:
+    rows = events_rows(measured)
+    agree = sum(r.taken == r.vllm_route for r in rows)
+    assert agree >= 0.99 * len(rows), summary(measured)
+
+
+def test_kv_events_see_the_shared_system_prompt_of_agents_with_other_tools(measured: list[Row]) -> None:
+    firsts = [r for r in events_rows(measured) if r.workload == "agents with own tools" and r.step.endswith("step 1")]
     assert len(firsts) == 3
-    assert all(r.estimate == 0 for r in firsts), summary(measured)
-    # and so each agent's first, long prompt is disaggregated, not prefilled on the decoder
-    assert all(r.taken == "disaggregated" for r in firsts), summary(measured)
+    # agents 2 and 3 reuse the system prompt the template renders before the tools
+    assert all(r.reused > 0 and r.estimate == r.reused for r in firsts[1:]), summary(measured)
 
 
-def test_decisions_agree_with_what_vllms_cache_implies(measured: list[Row]) -> None:
-    wrong = [r for r in measured if r.taken != r.vllm_route]
-    # a disagreement may only ever disaggregate what vLLM could have served from its cache
-    assert all(r.taken == "disaggregated" for r in wrong), summary(measured)
+def test_kv_events_cache_salt_separates_what_it_salts(measured: list[Row]) -> None:
+    rows = {r.step: r for r in events_rows(measured) if r.workload == "cache_salt"}
+    assert rows["s1"].estimate == 0 and rows["s2"].estimate == 0 and rows["no salt"].estimate == 0, summary(measured)
+    again = rows["s1 again"]
+    assert again.reused > 0 and again.estimate == again.reused, summary(measured)
+
+
+def test_kv_events_follow_a_restarted_decoder_and_its_evictions(measured: list[Row]) -> None:
+    after = [r for r in events_rows(measured) if r.workload in ("chat after the restart", "small cache")]
+    assert after and after[0].reused == 0 and after[0].estimate == 0, summary(measured)  # empty again
+    second = [r for r in after if r.step.endswith("cycle 2")]
+    # the cache holds 40 blocks, the twelve prompts 60: the second cycle finds prompts evicted,
+    # and the router knows
+    evicted = [r for r in second if r.reused < (r.prompt_tokens - 1) // BLOCK * BLOCK]
+    assert evicted, summary(measured)
+    assert all(r.estimate == r.reused for r in evicted), summary(measured)
+
+
+def test_kv_events_off_the_approximate_index_never_claims_more(measured: list[Row]) -> None:
+    rows = [r for r in measured if r.run == "approximate"]
+    assert rows and all(r.source == "approximate" for r in rows), summary(measured)
+    assert not [r for r in rows if r.estimate > r.reused], summary(measured)
     print("\n" + summary(measured))
