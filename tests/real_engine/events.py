@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import zmq
 from pd_router_dev.devstack import Proc
+from pd_router_dev.sim.kv_events import published as replay_count
 
 from tests.real_engine import engines
 
@@ -19,24 +19,8 @@ SETTLE_SECONDS = 30.0
 
 
 def published(e: engines.Engine) -> int:
-    """Batches ``e`` has published, from its replay ROUTER (vLLM 0.31.0 ZmqEventPublisher:
-    ``[b"", start_seq]`` is answered with every buffered batch, then seq -1)."""
-    ctx = zmq.Context.instance()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    try:
-        d.connect(f"tcp://127.0.0.1:{e.replay_port}")
-        d.send_multipart((b"", (0).to_bytes(8, "big")))
-        last = -1
-        while True:
-            assert d.poll(10_000), f"the {e.role} engine's replay endpoint did not answer"
-            frames = d.recv_multipart()
-            seq = int.from_bytes(frames[2], "big", signed=True)
-            if seq == -1:
-                return last + 1
-            last = seq
-    finally:
-        d.close()
+    """Batches ``e`` has published, from its replay ROUTER (vLLM 0.31.0 ZmqEventPublisher)."""
+    return replay_count(f"tcp://127.0.0.1:{e.replay_port}")
 
 
 def metric(router: Proc, name: str, **labels: str) -> float:

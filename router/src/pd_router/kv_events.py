@@ -32,7 +32,8 @@ A request whose identity the router cannot reproduce claims nothing: images or o
 parts (multimodal hashes), prompt embeddings. cache_salt is the first block's extra key, a LoRA
 name every block's (``generate_block_hash_extra_keys``), so both are reproduced.
 
-A new subscription first asks the replay endpoint for everything from sequence 0 (vLLM keeps
+Each time the subscription's connection comes up, the router asks the replay endpoint for what
+it may have missed: everything from sequence 0 the first time (vLLM keeps
 ``buffer_steps`` batches): a router replica started next to running engines knows their caches
 at once. An engine's picture starts empty when it (re)starts: a new healthy generation, a
 sequence number that goes back (a new publisher), ``AllBlocksCleared``. A gap in the sequence is
@@ -65,13 +66,21 @@ from urllib.parse import urlsplit
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pd_router.config import KvEvents
 
 log = logging.getLogger("pd_router.kv_events")
 
 ROOT = 0  # the router key a first block chains from (vLLM's NONE_HASH)
+# A picture of more blocks than this many times the engine's cache (per KV-cache group) has
+# missed removals: it is dropped (uncertain), which bounds the index's memory per engine.
+OVERFULL = 2
 REPLAY_TIMEOUT_SECONDS = 2.0  # a replay not finished by then leaves the engine uncertain
+# After a SUB's handshake its subscription still travels to the PUB, which drops what it sends
+# meanwhile: the replay of what the connection missed is asked this long after the handshake
+# (what is published after the request arrives live; the two are merged by sequence number).
+JOIN_REPLAY_DELAY_SECONDS = 0.25
 _END_SEQ = -1
 _POLL_MS = 100
 # kv_cache_spec kinds (v1/kv_cache_interface.py KVCacheSpecKind) whose hit is the last block(s)
@@ -285,11 +294,13 @@ class EngineBlocks:
             g.held[k] = g.held.get(k, 0) + 1
             self.blocks += 1
             self.stored_since_gap += 1
-        if (
-            not self.certain
-            and self.capacity_blocks
-            and self.stored_since_gap >= self.capacity_blocks
-        ):
+        cap = self.capacity_blocks
+        if cap and self.blocks > OVERFULL * cap * len(self.groups):
+            # more than its cache can hold: removals went missing; the bound on memory
+            log.warning("kv events: an engine's picture outgrew its cache; dropped")
+            self.uncertain()
+            return
+        if not self.certain and cap and self.stored_since_gap >= cap:
             self.certain = True  # every block it holds now was announced after the gap
             log.info("kv events: an engine's picture is whole again after a gap")
 
@@ -463,13 +474,21 @@ class KvEventIndex:
         poller = zmq.Poller()
         poller.register(wake, zmq.POLLIN)
         subs: dict[str, zmq.Socket[Any]] = {}  # base -> SUB
+        monitors: dict[zmq.Socket[Any], str] = {}  # a SUB's connection events -> base
+        due: dict[str, float] = {}  # base -> when to replay what its new connection missed
         by_sock: dict[zmq.Socket[Any], str] = {}
         replays: dict[str, tuple[zmq.Socket[Any], float, list[tuple[int, bytes]]]] = {}
         sources: dict[str, Source] = {}
 
         def close(base: str) -> None:
+            due.pop(base, None)
             s = subs.pop(base, None)
             if s is not None:
+                for mon in [m for m, b in monitors.items() if b == base]:
+                    poller.unregister(mon)
+                    del monitors[mon]
+                    s.disable_monitor()
+                    mon.close(linger=0)
                 poller.unregister(s)
                 by_sock.pop(s, None)
                 s.close(linger=0)
@@ -491,6 +510,18 @@ class KvEventIndex:
             by_sock[d] = base
             replays[base] = (d, time.monotonic() + REPLAY_TIMEOUT_SECONDS, held)
             return True
+
+        def joined(base: str, mon: zmq.Socket[Any]) -> None:
+            """The SUB's connection is up (again): replay what was published before it was,
+            from the start the first time (a router started next to running engines then
+            knows their caches at once), else from past the last batch applied."""
+            up = False
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                    up = up or ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if up:  # the subscription reaches the PUB just after the handshake: ask a bit later
+                due[base] = time.monotonic() + JOIN_REPLAY_DELAY_SECONDS
 
         def give_up(base: str, why: str) -> None:
             e = self.engines.get(base)
@@ -571,6 +602,9 @@ class KvEventIndex:
         running = True
         while running:
             for s, _ in poller.poll(_POLL_MS):
+                if s in monitors:
+                    joined(monitors[s], s)
+                    continue
                 if s is wake:
                     with contextlib.suppress(zmq.ZMQError):
                         while True:
@@ -594,14 +628,30 @@ class KvEventIndex:
                 except zmq.ZMQError:
                     pass
             now = time.monotonic()
-            for base, (_, deadline, _held) in list(replays.items()):
-                if now >= deadline:
-                    held = replays[base][2]
+            for base, at in list(due.items()):
+                e = self.engines.get(base)
+                if now < at or e is None:
+                    continue
+                del due[base]
+                if base not in replays:
+                    ask_replay(base, 0 if e.last_seq is None else e.last_seq + 1, [])
+            for base, (_, deadline, held) in list(replays.items()):
+                if now < deadline:
+                    continue
+                e = self.engines.get(base)
+                if e is not None and e.last_seq is None:
+                    # the replay on subscribing: without it only the blocks stored before are
+                    # unknown (under-claimed), so the picture stays exact
+                    sock = replays.pop(base)[0]
+                    poller.unregister(sock)
+                    by_sock.pop(sock, None)
+                    sock.close(linger=0)
+                    log.warning("kv events: %s: its replay did not answer in time", base)
+                else:
                     give_up(base, "the replay did not answer in time")
-                    e = self.engines.get(base)
-                    for sq, p in sorted(held):
-                        if e is not None:
-                            apply(e, sq, p)
+                for sq, p in sorted(held):
+                    if e is not None:
+                        apply(e, sq, p)
             while True:
                 try:
                     cmd = self._cmds.get_nowait()
@@ -628,14 +678,16 @@ class KvEventIndex:
                 sock = ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SUBSCRIBE, source.topic)
+                # PUB/SUB joins asynchronously: what is published before the connection is up
+                # is lost to it, so each handshake asks the replay for what came meanwhile
+                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                monitors[mon] = base
+                poller.register(mon, zmq.POLLIN)
                 sock.connect(source.endpoint)
                 subs[base] = sock
                 by_sock[sock] = base
                 poller.register(sock, zmq.POLLIN)
                 log.info("kv events: subscribed to %s (%s)", source.endpoint, base)
-                # what it stored before the router heard it (a router started or restarted next
-                # to running engines): its replay buffer, from the start
-                ask_replay(base, 0, [])
                 self._report()
         for base in list(subs):
             close(base)

@@ -378,3 +378,14 @@ def test_a_state_groups_block_names_the_boundary_it_was_checkpointed_at() -> Non
     assert e.hit_tokens(ids, plain) == 16
     e.apply([stored(ids[16:20], [5], parent=4, group=3)])
     assert e.hit_tokens(ids, plain) == 16  # attention holds 20, the last state is at 16
+
+
+def test_a_picture_that_outgrows_the_engines_cache_is_dropped() -> None:
+    """Removals that never came (a publisher dropping them) would grow the index past what the
+    engine can hold: at OVERFULL times its cache the picture is dropped and uncertain."""
+    e = EngineBlocks(1)
+    e.capacity_blocks = 4
+    e.apply([stored(list(range(32)), list(range(1, 9)))])  # 8 blocks: 2x the cache, kept
+    assert e.blocks == 8 and e.certain
+    e.apply([stored(list(range(100, 104)), [50])])
+    assert e.blocks == 0 and not e.certain

@@ -10,6 +10,7 @@ env overrides. The processes' logs are kept in a folder the demo prints (``--log
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -49,6 +50,18 @@ def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float
                     ttft = time.perf_counter() - t0
                 parts.append(chunk.choices[0].delta.content)
     return "".join(parts), route, reason, ttft, time.perf_counter() - t0
+
+
+def _kv_events() -> list[str]:
+    """vLLM's --kv-events-config for one simulated engine, on ports of its own."""
+    cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{free_port()}",
+        "topic": "kv",
+    }
+    return ["--kv-events-config", json.dumps(cfg)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pre_args = dec_args = ["--kv-connector", "nixl"]
         model = ["--model", a.model]
-        prefill = stack.sim("demo-prefill", *pre_args, *timing, *model)
-        decode = stack.sim("demo-decode", *dec_args, *timing, *model)
+        # both engines publish their KV-cache events, as the chart renders them (own ports here:
+        # they share this host); the router routes on what they hold
+        env["PD_ROUTER__ROUTING__KVEVENTS__PORT"] = "0"
+        env["PD_ROUTER__ROUTING__KVEVENTS__REPLAYPORT"] = "0"
+        prefill = stack.sim("demo-prefill", *pre_args, *timing, *model, *_kv_events())
+        decode = stack.sim("demo-decode", *dec_args, *timing, *model, *_kv_events())
         env["PD_ROUTER__POOLS__PREFILL__STATIC"] = f"[{prefill.url()}]"
         env["PD_ROUTER__POOLS__DECODE__STATIC"] = f"[{decode.url()}]"
         cfg = load_config(DEMO_CONFIG, env)  # fail here, clearly, on a bad demo config

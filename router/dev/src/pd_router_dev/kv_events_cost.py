@@ -9,6 +9,12 @@ item 7), in this process, not asserted in a timed test:
   the events path also pays one ``/tokenize`` round trip to an engine (its ids as vLLM renders
   them), which this figure leaves out: it is an HTTP request like the ones ``make bench``'s
   matrix measures, made only for prompts at or above the threshold.
+- **The router's CPU per request, events on and off**, through the whole router process: two
+  simulated engines (zero delay, NIXL) that publish their KV events (pd_router_dev.sim), the
+  router given a tokenizer that counts as they do (so the events path's ``/tokenize`` round trip
+  is an extra), ``listen.workers: 1``; sequential chat requests, short ones (50 tokens, the
+  direct route) and long ones (2,000 tokens, each new: the NIXL route), the router process's CPU
+  (``/proc/<pid>/stat``) per request; only the router's ``routing.kvEvents.enabled`` differs.
 - **Ingest at 10,000 stored blocks per second**: a real ZMQ PUB in this process sends vLLM's
   wire (a ``BlockStored`` of 100 16-token blocks and the ``BlockRemoved`` of the batch before,
   100 batches a second) to a :class:`pd_router.kv_events.KvEventIndex` subscribed over
@@ -19,9 +25,13 @@ item 7), in this process, not asserted in a timed test:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import statistics
+import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,8 +176,120 @@ def _ingest_row() -> dict[str, Any]:
     }
 
 
+def _proc_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _chat(url: str, text: str) -> str:
+    body = {
+        "model": "llama-3.3-70b",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+    }
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+        return r.headers.get("x-pd-route", "")
+
+
+def _wait_ready(url: str, timeout_s: float = 30) -> None:
+    """Until the router serves a request (both engines admitted, and heard when events are on)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if _chat(url, "warm up") == "direct":
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)  # polling a start-up
+
+
+def _router_rows(requests: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    from pd_router_dev import multiturn
+    from pd_router_dev.devstack import Stack, free_port
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        wd = Path(tmp)
+        st = Stack(wd)
+        try:
+            flags = []
+            for _ in range(2):
+                pub, replay = free_port(), free_port()
+                cfg = {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{pub}",
+                    "replay_endpoint": f"tcp://*:{replay}",
+                    "topic": "kv",
+                }
+                flags.append(("--kv-connector", "nixl", "--kv-events-config", json.dumps(cfg)))
+            pre = st.sim("kvc-prefill", *flags[0])
+            dec = st.sim("kvc-decode", *flags[1])
+            tok = multiturn.word_tokenizer(wd / "tokenizer.json")
+            rng = random.Random(23)
+            for mode in ("off", "on"):
+                name = f"kvc-router-{mode}"
+                cfg_path = wd / f"{name}.yaml"
+                cfg_path.write_text(
+                    json.dumps(
+                        {
+                            "listen": {"workers": 1},
+                            "model": {"tokenizer": str(tok)},
+                            "routing": {
+                                "connector": "nixl",
+                                "threshold": 1024,
+                                "kvEvents": {"enabled": mode == "on", "port": 0, "replayPort": 0},
+                            },
+                            "pools": {
+                                "prefill": {"discovery": "static", "static": [pre.url()]},
+                                "decode": {"discovery": "static", "static": [dec.url()]},
+                            },
+                        }
+                    )
+                )
+                router = st.router(name, cfg_path)
+                _wait_ready(router.url())
+                for kind, size in (
+                    ("short (50 tokens, direct)", 50),
+                    ("long (2,000 tokens, NIXL)", 2000),
+                ):
+                    texts = [
+                        " ".join(rng.choice(_WORDS) for _ in range(size)) for _ in range(requests)
+                    ]
+                    routes: set[str] = set()
+                    c0 = _proc_cpu(router.pid)
+                    for t in texts:
+                        routes.add(_chat(router.url(), t))
+                    cpu = _proc_cpu(router.pid) - c0
+                    rows.append(
+                        {
+                            "kind": "kv_events_router",
+                            "prompt": kind,
+                            "events": mode,
+                            "cpu_us": cpu / requests * 1e6,
+                            "routes": ",".join(sorted(routes)),
+                        }
+                    )
+                router.stop()
+                log(f"kv events: router CPU per request measured with events {mode}")
+        finally:
+            st.stop()
+    return rows
+
+
+_WORDS = [a + b + c for a in "bcdfg" for b in "aeiou" for c in "lmnrst"]
+
+
 def run(runs: int = 200, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     rows = _decision_rows(runs)
+    rows += _router_rows(200, log)
     log("kv events: decisions measured; ingest at 10,000 blocks/s ...")
     rows.append(_ingest_row())
     return rows
@@ -190,6 +312,18 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         if r["kind"] == "kv_events_decision":
             est = r["estimate"] or "-"
             lines.append(f"| {r['prompt']} | {r['events']} | {r['cpu_us']:.0f} | {est} |")
+    router = [r for r in rows if r["kind"] == "kv_events_router"]
+    if router:
+        lines += [
+            "",
+            "The router process's CPU per request (simulated engines publishing events; the "
+            "router's own tokenizer; only `routing.kvEvents.enabled` differs):",
+            "",
+            "| prompt | events | router CPU per request (us) | routes |",
+            "|---|---|---:|---|",
+        ]
+        for r in router:
+            lines.append(f"| {r['prompt']} | {r['events']} | {r['cpu_us']:.0f} | {r['routes']} |")
     for r in rows:
         if r["kind"] == "kv_events_ingest":
             lines += [

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from pd_router_dev.sim.engine import BLOCK_SIZE
+from pd_router_dev.sim.kv_events import parse_config as parse_kv_events
 from pd_router_dev.sim.protocol import VERSIONS
 from pd_router_dev.sim.server import FAULTS, SimConfig, serve
 
@@ -83,6 +84,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         help="vLLM's automatic prefix caching: the tokens of KV its block pool holds (16-token "
         "blocks, least recently used evicted first); 0 = off, as --no-enable-prefix-caching",
     )
+    p.add_argument(
+        "--kv-events-config",
+        default="",
+        help="vLLM's KV-cache event publisher (JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\'); needs prefix caching',
+    )
     a = p.parse_args(argv)
     if a.max_num_batched_tokens < 1 or a.max_num_seqs < 1 or a.num_gpu_blocks_override < 1:
         p.error(
@@ -91,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
     if a.prefix_cache_tokens < 0 or 0 < a.prefix_cache_tokens < 2 * BLOCK_SIZE:
         # one block is vLLM's null block (block_pool.py), never handed out
         p.error(f"--prefix-cache-tokens must be 0 (off) or at least {2 * BLOCK_SIZE}")
+    if a.kv_events_config:
+        try:
+            parse_kv_events(a.kv_events_config)
+        except ValueError as exc:  # json's error is one too
+            p.error(f"--kv-events-config: {exc}")
     cfg = SimConfig(
         host=a.host,
         port=a.port,
@@ -118,6 +131,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         num_gpu_blocks=a.num_gpu_blocks_override,
         step_time=a.step_time,
         prefix_cache_tokens=a.prefix_cache_tokens,
+        kv_events_config=a.kv_events_config,
     )
     return cfg, a.port_file
 

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from pd_router_dev.sim import model as M
 
 if TYPE_CHECKING:
+    from pd_router_dev.sim.kv_events import Publisher
     from pd_router_dev.sim.metrics import VllmMetrics
 
 BLOCK_SIZE = 16  # config/cache.py (0.31) CacheConfig.DEFAULT_BLOCK_SIZE
@@ -79,6 +80,17 @@ def block_hashes(tokens: Sequence[int], start: Sequence[int] = ()) -> list[int]:
     out = list(start)
     for i in range(len(out) * BLOCK_SIZE, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
         out.append(hash_block(out[-1] if out else None, tokens[i : i + BLOCK_SIZE]))
+    return out
+
+
+def _runs(ids: list[int]) -> list[list[int]]:
+    """Consecutive runs of ascending block indexes."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][-1] == i - 1:
+            out[-1].append(i)
+        else:
+            out.append([i])
     return out
 
 
@@ -105,6 +117,7 @@ class PrefixCache:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[int, dict[int, None]] = {}  # block hash -> the blocks holding it
         self.num_cached = 0  # blocks with a hash (in use or free)
+        self.events: Publisher | None = None  # --kv-events-config (sim/kv_events.py)
 
     def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
         """``FullAttentionManager.find_longest_cache_hit``: the cached blocks of the longest
@@ -136,16 +149,20 @@ class PrefixCache:
                 del self.cached[h]
             self.hash_of[b] = None
             self.num_cached -= 1
+            if self.events is not None:  # block_pool.py _maybe_evict_cached_block
+                self.events.removed(h)
         self.ref[b] = 1
         return b
 
-    def cache(self, block: int, h: int) -> None:
-        """``cache_full_blocks``: a block just filled enters the cache under its hash."""
+    def cache(self, block: int, h: int) -> bool:
+        """``cache_full_blocks``: a block just filled enters the cache under its hash; whether
+        it did (a block past the pool, or one already cached, does not)."""
         if block < 0 or self.hash_of[block] is not None:
-            return
+            return False
         self.hash_of[block] = h
         self.cached.setdefault(h, {})[block] = None
         self.num_cached += 1
+        return True
 
     def free_blocks(self, ordered: Sequence[int]) -> None:
         """``free_blocks``: ``ordered`` first to be reused first (a request's in reverse)."""
@@ -372,8 +389,14 @@ class Seq:
             cut = max(0, start - self.prompt_len)
             ids += self.tokens[cut : cut + BLOCK_SIZE - len(ids)]
             hashes.append(hash_block(hashes[-1] if hashes else None, ids))
-        for i in range(self.n_cached_blocks, full):
-            cache.cache(blocks[i], hashes[i])
+        new = [i for i in range(self.n_cached_blocks, full) if cache.cache(blocks[i], hashes[i])]
+        if new and cache.events is not None:  # one BlockStored per run of new blocks
+            for run in _runs(new):
+                first, end = run[0], run[-1] + 1
+                ids = (self.prompt + self.tokens[: max(0, end * BLOCK_SIZE - self.prompt_len)])[
+                    first * BLOCK_SIZE : end * BLOCK_SIZE
+                ]
+                cache.events.stored(hashes[first:end], hashes[first - 1] if first else None, ids)
         self.n_cached_blocks = full
 
     def free(self) -> None:

@@ -75,6 +75,8 @@ from pd_router_dev.sim.engine import (
     Seq,
     block_hashes,
 )
+from pd_router_dev.sim.kv_events import Publisher as KvPublisher
+from pd_router_dev.sim.kv_events import parse_config as parse_kv_events
 from pd_router_dev.sim.metrics import VllmMetrics
 
 FAULTS = (
@@ -131,6 +133,8 @@ class SimConfig:
     # vLLM's automatic prefix caching (on by default, engine/arg_utils.py 0.31): the tokens
     # of KV its block pool holds (16 per block, engine.py PrefixCache); 0 = off
     prefix_cache_tokens: int = 262144
+    # vLLM's --kv-events-config (JSON; sim/kv_events.py): "" = off, as vLLM's default
+    kv_events_config: str = ""
 
 
 def random_uuid() -> str:
@@ -204,6 +208,13 @@ class SimEngine:
         self.engine = Engine(cfg, self.state, self.vm)
         blocks = cfg.prefix_cache_tokens // BLOCK_SIZE
         self.prefix_cache = PrefixCache(blocks) if blocks > 1 else None
+        self.kv_events: KvPublisher | None = None
+        if cfg.kv_events_config:
+            kc = parse_kv_events(cfg.kv_events_config)
+            # vLLM publishes only with prefix caching on (block_pool.py: events come from it)
+            if kc["enable_kv_cache_events"] and kc["publisher"] == "zmq" and self.prefix_cache:
+                self.kv_events = KvPublisher(kc, BLOCK_SIZE)
+                self.prefix_cache.events = self.kv_events
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)
         self.kv_store: OrderedDict[int, int] = OrderedDict()  # prefix hash -> n tokens
         self.handshaken: set[tuple[str, int]] = set()
@@ -386,6 +397,11 @@ class SimEngine:
         if request.query.get("clear"):
             self.requests.clear()
         return web.json_response(out)
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """``GET /kv_event_sources`` (vLLM 0.31.0 serve/instrumentator/basic.py): the KV-event
+        publisher's config by data-parallel rank, ``{}`` when there is none."""
+        return _json(self.kv_events.sources() if self.kv_events is not None else {})
 
     async def sim_prefix_cache(self, request: web.Request) -> web.Response:
         """The prefix cache's block pool (a simulator-only view; vLLM has none)."""
@@ -945,6 +961,8 @@ class SimEngine:
             s.close(0)
         if self.zctx is not None:
             self.zctx.term()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
 
 def build_app(cfg: SimConfig) -> tuple[web.Application, SimEngine]:
@@ -957,6 +975,7 @@ def build_app(cfg: SimConfig) -> tuple[web.Application, SimEngine]:
     app.router.add_post("/v1/completions", sim.completions)
     app.router.add_post("/v1/chat/completions", sim.chat)
     app.router.add_get("/metrics", sim.metrics)
+    app.router.add_get("/kv_event_sources", sim.kv_event_sources)
     app.router.add_post("/sim/fault", sim.sim_fault)
     app.router.add_get("/sim/requests", sim.sim_requests)
     app.router.add_get("/sim/prefix_cache", sim.sim_prefix_cache)
@@ -965,6 +984,8 @@ def build_app(cfg: SimConfig) -> tuple[web.Application, SimEngine]:
 
     async def on_startup(_: web.Application) -> None:
         await sim.start_receiver()
+        if sim.kv_events is not None:
+            sim.kv_events.start()
 
     async def on_cleanup(_: web.Application) -> None:
         await sim.close()
