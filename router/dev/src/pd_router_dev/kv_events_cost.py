@@ -219,22 +219,24 @@ def _router_rows(requests: int, log: Callable[[str], None]) -> list[dict[str, An
         wd = Path(tmp)
         st = Stack(wd)
         try:
-            flags = []
-            for _ in range(2):
-                pub, replay = free_port(), free_port()
-                cfg = {
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "endpoint": f"tcp://*:{pub}",
-                    "replay_endpoint": f"tcp://*:{replay}",
-                    "topic": "kv",
-                }
-                flags.append(("--kv-connector", "nixl", "--kv-events-config", json.dumps(cfg)))
-            pre = st.sim("kvc-prefill", *flags[0])
-            dec = st.sim("kvc-decode", *flags[1])
             tok = multiturn.word_tokenizer(wd / "tokenizer.json")
-            rng = random.Random(23)
             for mode in ("off", "on"):
+                # fresh engines for each: a router's replay on subscribing must not read the
+                # other run's history inside the measurement
+                rng = random.Random(23)  # the same prompts for both
+                flags = []
+                for _ in range(2):
+                    pub, replay = free_port(), free_port()
+                    cfg = {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": f"tcp://*:{pub}",
+                        "replay_endpoint": f"tcp://*:{replay}",
+                        "topic": "kv",
+                    }
+                    flags.append(("--kv-connector", "nixl", "--kv-events-config", json.dumps(cfg)))
+                pre = st.sim(f"kvc-prefill-{mode}", *flags[0])
+                dec = st.sim(f"kvc-decode-{mode}", *flags[1])
                 name = f"kvc-router-{mode}"
                 cfg_path = wd / f"{name}.yaml"
                 cfg_path.write_text(
@@ -277,7 +279,8 @@ def _router_rows(requests: int, log: Callable[[str], None]) -> list[dict[str, An
                             "routes": ",".join(sorted(routes)),
                         }
                     )
-                router.stop()
+                for p in (router, pre, dec):
+                    p.stop()
                 log(f"kv events: router CPU per request measured with events {mode}")
         finally:
             st.stop()
