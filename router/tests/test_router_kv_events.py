@@ -9,12 +9,11 @@ checks in tests/real_engine/test_real_kv_events.py."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 from pd_router_dev.devstack import Proc, Stack, free_port
-from pd_router_dev.sim.kv_events import published
+from pd_router_dev.sim.kv_events import config_json, published
 from router_testlib import MODEL, client, metric_value, wait_until, write_config
 
 THRESHOLD = 256
@@ -24,15 +23,8 @@ APPLIED = "pd_router_kv_event_batches_total"
 
 def events_config() -> tuple[str, str]:
     """(the flag's JSON, the replay endpoint to ask)."""
-    pub, replay = free_port(), free_port()
-    cfg = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",
-        "replay_endpoint": f"tcp://*:{replay}",
-        "topic": "kv",
-    }
-    return json.dumps(cfg), f"tcp://127.0.0.1:{replay}"
+    replay = free_port()
+    return config_json(free_port(), replay), f"tcp://127.0.0.1:{replay}"
 
 
 class Setup:

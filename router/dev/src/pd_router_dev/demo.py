@@ -10,7 +10,6 @@ env overrides. The processes' logs are kept in a folder the demo prints (``--log
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from pd_router.config import load_config
 from pd_router_dev.devstack import DEMO_CONFIG, Stack, free_port
+from pd_router_dev.sim import kv_events
 
 # The chart's defaults (charts/pd-inference/values.yaml model.servedName, kvTransfer.connector;
 # router/tests/test_router_cli_demo.py checks they agree): what a default install runs.
@@ -54,14 +54,7 @@ def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float
 
 def _kv_events() -> list[str]:
     """vLLM's --kv-events-config for one simulated engine, on ports of its own."""
-    cfg = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
-        "replay_endpoint": f"tcp://*:{free_port()}",
-        "topic": "kv",
-    }
-    return ["--kv-events-config", json.dumps(cfg)]
+    return ["--kv-events-config", kv_events.config_json(free_port(), free_port())]
 
 
 def main(argv: list[str] | None = None) -> int:

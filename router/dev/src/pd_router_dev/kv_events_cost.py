@@ -213,6 +213,7 @@ def _wait_ready(url: str, timeout_s: float = 30) -> None:
 def _router_rows(requests: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     from pd_router_dev import multiturn
     from pd_router_dev.devstack import Stack, free_port
+    from pd_router_dev.sim.kv_events import config_json
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,17 +225,10 @@ def _router_rows(requests: int, log: Callable[[str], None]) -> list[dict[str, An
                 # fresh engines for each: a router's replay on subscribing must not read the
                 # other run's history inside the measurement
                 rng = random.Random(23)  # the same prompts for both
-                flags = []
-                for _ in range(2):
-                    pub, replay = free_port(), free_port()
-                    cfg = {
-                        "enable_kv_cache_events": True,
-                        "publisher": "zmq",
-                        "endpoint": f"tcp://*:{pub}",
-                        "replay_endpoint": f"tcp://*:{replay}",
-                        "topic": "kv",
-                    }
-                    flags.append(("--kv-connector", "nixl", "--kv-events-config", json.dumps(cfg)))
+                flags = [
+                    ("--kv-connector", "nixl", "--kv-events-config", config_json(*ports))
+                    for ports in ((free_port(), free_port()), (free_port(), free_port()))
+                ]
                 pre = st.sim(f"kvc-prefill-{mode}", *flags[0])
                 dec = st.sim(f"kvc-decode-{mode}", *flags[1])
                 name = f"kvc-router-{mode}"

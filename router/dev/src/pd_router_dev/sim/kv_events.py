@@ -79,6 +79,20 @@ def parse_config(raw: str) -> dict[str, Any]:
     return out
 
 
+def config_json(port: int, replay_port: int, topic: str = "kv") -> str:
+    """``--kv-events-config`` for an engine publishing on ``port`` with its replay ROUTER on
+    ``replay_port`` (the chart's shape: templates/engine/_args.tpl), for engines sharing a host."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": topic,
+        }
+    )
+
+
 def _hash(h: int) -> int:
     return h & _U64
 
