@@ -283,6 +283,36 @@ class ControlPlane:
                 raise AssertionError(f"never happened: {what}")
             time.sleep(0.2)
 
+    def diagnose(self, ns: str) -> str:
+        """What a failed install or upgrade in `ns` left behind, for its assertion message: each
+        pod's phase, node, deletion and unmet conditions, each StatefulSet's status, the last
+        events, and what the scheduler's and kwok's logs last said about it (a `--wait` that times out says
+        only "not ready")."""
+        lines = [f"--- what namespace {ns} holds:"]
+        pods = json.loads(self.kubectl("get", "pods", "-n", ns, "-o", "json", check=False).stdout or '{"items": []}')
+        for p in pods["items"]:
+            st = p.get("status") or {}
+            unmet = [
+                f"{c['type']}={c['status']}({c.get('reason', '')}: {c.get('message', '')})"
+                for c in st.get("conditions") or []
+                if c["status"] != "True"
+            ]
+            deleting = p["metadata"].get("deletionTimestamp")
+            lines.append(
+                f"pod {p['metadata']['name']}: phase={st.get('phase')} node={p['spec'].get('nodeName')}"
+                f"{' deleting since ' + deleting if deleting else ''} {' '.join(unmet)}"
+            )
+        sts = self.kubectl("get", "statefulsets", "-n", ns, "-o", "json", check=False).stdout or '{"items": []}'
+        for s in json.loads(sts)["items"]:
+            lines.append(f"statefulset {s['metadata']['name']}: {json.dumps(s.get('status'))}")
+        events = self.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False)
+        lines += ["--- events:", *events.stdout.splitlines()[-30:]]
+        for proc in self.procs:
+            if proc.name in ("kube-scheduler", "kwok") and proc.log.exists():
+                mine = [ln for ln in proc.log.read_text(errors="replace").splitlines() if ns in ln]
+                lines += [f"--- {proc.name}'s last lines naming {ns}:", *(ln[:400] for ln in mine[-15:])]
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ internals
     def _write_kubeconfig(self) -> None:
         cfg = {

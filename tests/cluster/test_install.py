@@ -35,13 +35,7 @@ def release(cluster: ControlPlane, request: pytest.FixtureRequest, helm_bin: Pat
 def install(cluster: ControlPlane, helm_bin: Path, env: str, ns: str, *extra: str) -> None:
     values = lib.value_flags(LAYERINGS[env])
     proc = cluster.run(helm_bin, "install", "pd", helm.CHART, "-n", ns, *values, "--wait", "--timeout", "300s", *extra)
-    assert proc.returncode == 0, proc.stdout + proc.stderr + pending_reasons(cluster, ns)
-
-
-def pending_reasons(cluster: ControlPlane, ns: str) -> str:
-    """What the scheduler and admission said, for a failure message."""
-    events = cluster.kubectl("get", "events", "-n", ns, "-o", "custom-columns=REASON:.reason,MSG:.message", check=False)
-    return "\nevents:\n" + events.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr + cluster.diagnose(ns)
 
 
 @pytest.mark.parametrize("env", sorted(LAYERINGS))
@@ -87,7 +81,7 @@ def check_helm_test_pod(cluster: ControlPlane, helm_bin: Path, ns: str) -> None:
     # Helm 4.2.1 waits out --timeout on each hook deletion (before-hook-creation, hook-succeeded)
     # although the pod is gone at once (helm/helm#32214, fixed in 4.2.2): keep it short.
     proc = cluster.run(helm_bin, "test", "pd", "-n", ns, "--timeout", "10s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr + pending_reasons(cluster, ns)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + cluster.diagnose(ns)
     # kwok plays the pod's run (it Succeeds, then hook-succeeded deletes it); the scheduler placed
     # it on a CPU node: its Scheduled event stays.
     events = cluster.get("events", "-n", ns, "--field-selector", "reason=Scheduled")["items"]

@@ -63,7 +63,7 @@ def helm_to(cluster: ControlPlane, ns: str, verb: str, chart: Path, *extra: str)
     h4 = helm.helm_binaries()[0]
     values = lib.value_flags(layerings()[ENV])
     proc = cluster.run(h4, verb, "pd", chart, "-n", ns, *values, *extra, "--wait", "--timeout", "300s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr + cluster.diagnose(ns)
 
 
 def test_only_a_change_of_what_the_engines_run_replaces_engine_pods(

@@ -51,7 +51,9 @@ def values(root: Path, env: str) -> list[str]:
 
 def helm_ok(cluster: ControlPlane, *args: str | Path) -> str:
     proc = cluster.run(*args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        ns = str(args[args.index("-n") + 1]) if "-n" in args else "default"
+        raise AssertionError(proc.stdout + proc.stderr + cluster.diagnose(ns))
     return proc.stdout
 
 
