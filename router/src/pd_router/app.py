@@ -1,4 +1,4 @@
-"""HTTP surface of the router (aiohttp server on uvloop): routes, request id, auth, body read,
+"""HTTP surface of the router (pd_router.http1 on uvloop): routes, request id, auth, body read,
 admission, validation, then the routing decision hands the request to its route.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` and
@@ -25,9 +25,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from pd_router import balancing, hub_tokenizer, revision
 from pd_router.admission import Admission, Reject
@@ -37,6 +34,7 @@ from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route, run
+from pd_router.http1 import Answer, BodyError, HttpServer, Request, Response, Routes
 from pd_router.kv_events import KvEventIndex
 from pd_router.legs import Downstream, Legs
 from pd_router.logs import AccessLog
@@ -67,8 +65,8 @@ MODELS_TTL_SECONDS = 10.0
 MODELS_RETRY_SECONDS = 1.0
 
 
-def error_response(status: int, message: str, etype: str, headers: Any = None) -> web.Response:
-    return web.Response(
+def error_response(status: int, message: str, etype: str, headers: Any = None) -> Response:
+    return Response(
         status=status,
         body=error_body(status, message, etype),
         content_type="application/json",
@@ -247,10 +245,10 @@ class Router:
             await self.session.close()
 
     # ------------------------------------------------------------------ auth
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: Request) -> bool:
         return self.keys.check(request.headers.get("Authorization"))
 
-    def _metrics_authorized(self, request: web.Request) -> bool:
+    def _metrics_authorized(self, request: Request) -> bool:
         """/metrics under ``protectMetrics``: an API key or a metrics-only token."""
         if not self.cfg.auth.protect_metrics:
             return True
@@ -260,28 +258,28 @@ class Router:
         return self.keys.matches(header) or self.metrics_tokens.matches(header)
 
     # ------------------------------------------------------------------ simple routes
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+    async def health(self, request: Request) -> Response:
+        return Response(body=b'{"status":"ok"}', content_type="application/json")
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request) -> Response:
         if self.decode.healthy:
-            return web.Response(body=b'{"status":"ready"}', content_type="application/json")
-        return web.Response(
+            return Response(body=b'{"status":"ready"}', content_type="application/json")
+        return Response(
             status=503, body=b'{"status":"no healthy decoder"}', content_type="application/json"
         )
 
-    async def metrics_handler(self, request: web.Request) -> web.Response:
+    async def metrics_handler(self, request: Request) -> Response:
         if not self._metrics_authorized(request):
             return error_response(
                 401, "invalid or missing API key or metrics token", "authentication_error"
             )
         self._load_gauges()
-        return web.Response(
+        return Response(
             body=self.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         """``GET /v1/models``: vLLM's ``ModelList`` with the engines' card of the served
         model (openai/models/api_router.py, 0.31.0: ``ModelCard`` with ``created``,
         ``max_model_len``, ``root``, ``permission``, ...), each with ``kv_revisions``: the
@@ -290,24 +288,22 @@ class Router:
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         cards, source = await self._model_cards()
-        return web.Response(
+        return Response(
             body=orjson.dumps({"object": "list", "data": [self._with_revisions(c) for c in cards]}),
             content_type="application/json",
             headers={"x-pd-models-source": source},
         )
 
-    async def model(self, request: web.Request) -> web.Response:
+    async def model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``, as OpenAI answers it: the card; an unknown id gets
         vLLM's model-not-found 404 (vLLM 0.31.0 and 0.33.0 have no such route)."""
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         name = request.match_info["model_id"]
         if name != self.served:
-            return web.Response(
-                status=404, body=model_not_found(name), content_type="application/json"
-            )
+            return Response(status=404, body=model_not_found(name), content_type="application/json")
         cards, source = await self._model_cards()
-        return web.Response(
+        return Response(
             body=orjson.dumps(self._with_revisions(cards[0])),
             content_type="application/json",
             headers={"x-pd-models-source": source},
@@ -366,36 +362,26 @@ class Router:
             )
         return []
 
-    async def not_found(self, request: web.Request) -> web.Response:
+    async def not_found(self, request: Request, allow: str | None) -> Response:
         """No route: 405 with ``Allow`` when the path has one under another method (what
         vLLM's FastAPI answers, there as ``{"detail": "Method Not Allowed"}``), else 404."""
-        allowed: set[str] = set()
-        this = request.match_info.route.resource  # the catch-all
-        for resource in request.app.router.resources():
-            if resource is not this:
-                match, methods = await resource.resolve(request)
-                if match is None:
-                    allowed |= methods
-        if allowed:
-            allow = ", ".join(sorted(allowed))
+        if allow:
             msg = f"Method {request.method} is not allowed for {request.path} (allowed: {allow})"
             return error_response(405, msg, "Method Not Allowed", {"Allow": allow})
         return error_response(404, f"no route for {request.path}", "not_found_error")
 
     # ------------------------------------------------------------------ OpenAI requests
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Answer:
         return await self._handle(request, True)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Answer:
         return await self._handle(request, False)
 
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+    async def passthrough(self, request: Request) -> Answer:
         """One of vLLM's other endpoints (``PASSTHROUGH_PATHS``): to a decoder as it is."""
         return await self._handle(request, False, passthrough=True)
 
-    async def _handle(
-        self, request: web.Request, chat: bool, passthrough: bool = False
-    ) -> web.StreamResponse:
+    async def _handle(self, request: Request, chat: bool, passthrough: bool = False) -> Answer:
         rid = request.headers.get("X-Request-Id")
         if not rid or not _RID_RE.fullmatch(rid):
             rid = f"{_ids.getrandbits(128):032x}"  # uuid4's syscall per request is not needed
@@ -405,7 +391,7 @@ class Router:
             resp = await self._admit(request, ctx, passthrough)
             status = resp.status
             if not resp.prepared:  # the router's own answers (errors) carry the id too
-                resp.headers.setdefault("X-Request-Id", rid)
+                resp.headers.setdefault("x-request-id", rid)
             return resp
         except asyncio.CancelledError:
             self.outcomes.disconnect(ctx)
@@ -419,9 +405,7 @@ class Router:
                     rid, ctx.route, ctx.reason, status, ctx.path, duration_ms, ctx.revision
                 )
 
-    async def _admit(
-        self, request: web.Request, ctx: Ctx, passthrough: bool = False
-    ) -> web.StreamResponse:
+    async def _admit(self, request: Request, ctx: Ctx, passthrough: bool = False) -> Answer:
         """auth -> body -> a slot -> serve. The body is read before a slot is taken, under its
         own deadline: a client that stalls half-way through sending it must not hold one of
         maxInFlight."""
@@ -430,7 +414,7 @@ class Router:
             out.refused(ctx, "unauthorized")
             return error_response(401, "invalid or missing API key", "authentication_error")
         raw = await self._read_body(request, ctx)
-        if isinstance(raw, web.Response):
+        if isinstance(raw, Response):
             return raw
         try:
             await self.admission.acquire()
@@ -453,7 +437,7 @@ class Router:
         finally:
             self.admission.release()
 
-    async def _read_body(self, request: web.Request, ctx: Ctx) -> bytes | web.Response:
+    async def _read_body(self, request: Request, ctx: Ctx) -> bytes | Response:
         lim = self.cfg.limits
         refused = self.outcomes.refused
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -465,35 +449,35 @@ class Router:
             refused(ctx, "too_large")
             return error_response(413, "request body too large", "invalid_request_error")
         try:
-            if request.content.is_eof():  # arrived with the head (most bodies): no deadline
+            if request.body_complete:  # arrived with the head (most bodies): no deadline
                 return await request.read()
             async with asyncio.timeout(self.cfg.timeouts.client_body_seconds):
                 return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            refused(ctx, "too_large")
-            return error_response(413, "request body too large", "invalid_request_error")
         except TimeoutError:
             refused(ctx, "body_timeout")
             msg = "the request body did not arrive within timeouts.clientBodySeconds"
             return error_response(408, msg, "invalid_request_error")
-        except (HttpProcessingError, RequestPayloadError) as exc:  # a broken chunked body, etc.
+        except BodyError as exc:  # a broken chunked body, or one over the limit
+            if exc.too_large:
+                refused(ctx, "too_large")
+                return error_response(413, "request body too large", "invalid_request_error")
             refused(ctx, "bad_request")
-            # the parser's first line only: the rest quotes the body (a prompt)
-            why = str(getattr(exc, "message", "") or exc).split("\n", 1)[0].rstrip(":")
-            msg = f"unreadable request body: {why}"
-            return error_response(400, msg, "invalid_request_error")
+            # llhttp's reason only: it never quotes the body (a prompt)
+            return error_response(
+                400, f"unreadable request body: {exc.message}", "invalid_request_error"
+            )
 
-    def _parse(self, request: web.Request, ctx: Ctx, raw: bytes) -> web.Response | None:
+    def _parse(self, request: Request, ctx: Ctx, raw: bytes) -> Response | None:
         """Fill ``ctx`` from the body, or the 400/404 answer for a body the router refuses."""
         body = _load_json(raw)
-        if isinstance(body, web.Response):
+        if isinstance(body, Response):
             return body
         err = validate(body, ctx.chat)
         if err:
             return error_response(400, err, "invalid_request_error")
         model = body.get("model")
         if model is not None and model != self.served:
-            return web.Response(
+            return Response(
                 status=404, body=model_not_found(model), content_type="application/json"
             )
         if strip_handoff_fields(body):
@@ -507,7 +491,7 @@ class Router:
             log.info("prompt", extra={"request_id": ctx.rid, "body": body})
         return None
 
-    def _parse_passthrough(self, request: web.Request, ctx: Ctx, raw: bytes) -> web.Response | None:
+    def _parse_passthrough(self, request: Request, ctx: Ctx, raw: bytes) -> Response | None:
         """A body for one of vLLM's other endpoints goes to the engine as the client sent it,
         under the client's Content-Type (multipart for audio). A JSON body must parse, and
         hand-off fields are stripped from it (vLLM's Responses, Anthropic, Cohere and
@@ -523,7 +507,7 @@ class Router:
         if ctype.split(";", 1)[0].strip().lower() != "application/json" or not raw:
             return None
         body = _load_json(raw)
-        if isinstance(body, web.Response):
+        if isinstance(body, Response):
             return body
         if isinstance(body, dict):
             if strip_handoff_fields(body):
@@ -532,7 +516,7 @@ class Router:
             ctx.stream = body.get("stream") is True
         return None
 
-    async def _route(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+    async def _route(self, request: Request, ctx: Ctx) -> Answer:
         """decide -> the chosen route."""
         decider, out = self.decider, self.outcomes
         pools = Pools(self.decode.healthy, self.prefill.healthy, ctx.affinity)
@@ -583,25 +567,23 @@ def _load_json(raw: bytes) -> Any:
     return body
 
 
-def build_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=router.cfg.limits.max_body_bytes)
-    app.router.add_get("/health", router.health)
-    app.router.add_get("/ready", router.ready)
-    app.router.add_get("/metrics", router.metrics_handler)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/v1/models/{model_id:.+}", router.model)  # ids may hold a "/"
-    app.router.add_post("/v1/chat/completions", router.chat)
-    app.router.add_post("/v1/completions", router.completions)
+def build_server(router: Router) -> HttpServer:
+    """The router's routes on its HTTP server (``pd_router.http1``)."""
+    routes = Routes()
+    routes.add("GET", "/health", router.health)
+    routes.add("GET", "/ready", router.ready)
+    routes.add("GET", "/metrics", router.metrics_handler)
+    routes.add("GET", "/v1/models", router.models)
+    routes.add_prefix("GET", "/v1/models/", "model_id", router.model)  # ids may hold a "/"
+    routes.add("POST", "/v1/chat/completions", router.chat)
+    routes.add("POST", "/v1/completions", router.completions)
     for path in PASSTHROUGH_PATHS:
-        app.router.add_post(path, router.passthrough)
-    app.router.add_route("*", "/{tail:.*}", router.not_found)
-
-    async def on_startup(_: web.Application) -> None:
-        await router.start()
-
-    async def on_cleanup(_: web.Application) -> None:
-        await router.stop()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
+        routes.add("POST", path, router.passthrough)
+    routes.fallback = router.not_found
+    return HttpServer(
+        routes,
+        max_body=router.cfg.limits.max_body_bytes,
+        head_timeout=router.cfg.timeouts.client_header_seconds,
+        idle_timeout=router.cfg.timeouts.client_idle_seconds,
+        internal_error=lambda: error_response(500, "internal router error", "internal_error"),
+    )

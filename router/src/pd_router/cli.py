@@ -36,28 +36,22 @@ async def run_server(
 ) -> None:
     """Serve until SIGTERM: the whole router in one process, or one of several workers
     (``port``/``reuse_port`` given by pd_router.workers, ``announce`` its ready signal)."""
-    from pd_router.app import Router, build_app
-    from pd_router.http_server import AppRunner, serve
+    from pd_router import http1
+    from pd_router.app import Router, build_server
 
     router = Router(cfg)
-    app = build_app(router)
-    # auto_decompress=False: request bodies are taken as sent, like vLLM's server does; the
-    # router refuses a Content-Encoding itself (415) instead of aiohttp failing in its parser.
-    runner = AppRunner(
-        app,
-        idle_timeout=cfg.timeouts.client_idle_seconds,
-        head_timeout=cfg.timeouts.client_header_seconds,
-        handler_cancellation=True,
-        access_log=None,
-        auto_decompress=False,
-    )
-    await serve(
-        runner,
+    server = build_server(router)
+    # Request bodies are taken as sent, like vLLM's server does: the router refuses a
+    # Content-Encoding itself (415).
+    await http1.serve(
+        server,
         cfg.listen.host,
         cfg.listen.port if port is None else port,
         4096,
         port_file,
         announce or _announcer(cfg, 1),
+        router.start,
+        router.stop,
         reuse_port=reuse_port,
     )
 

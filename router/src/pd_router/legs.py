@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
-from aiohttp import web
 
-from pd_router import balancing, revision
+from pd_router import balancing, http1, revision
 from pd_router.config import Timeouts
 from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
+from pd_router.http1 import Answer, Request
 from pd_router.lease import Lease
 from pd_router.openai_wire import (
     COMPLETION_PATHS,
@@ -44,14 +44,14 @@ class ClientGone(Exception):
 
 
 class Downstream:
-    """The client side of one request. Routes answer through it, never through aiohttp
+    """The client side of one request. Routes answer through it, never through the server
     directly: ``reply`` (a whole answer) or ``open_stream`` / ``write`` / ``end`` (SSE)."""
 
     __slots__ = ("_request", "response")
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: Request) -> None:
         self._request = request
-        self.response: web.StreamResponse | None = None
+        self.response: Answer | None = None
 
     @property
     def streaming(self) -> bool:
@@ -59,23 +59,23 @@ class Downstream:
 
     def reply(
         self, status: int, body: bytes, headers: dict[str, str], ctype: str | None = None
-    ) -> web.StreamResponse:
+    ) -> Answer:
         if ctype is not None:
-            self.response = web.Response(
+            self.response = http1.Response(
                 status=status, body=body, content_type=ctype, headers=headers
             )
         else:
-            self.response = web.Response(status=status, body=body, headers=headers)
+            self.response = http1.Response(status=status, body=body, headers=headers)
         return self.response
 
     def error(
         self, status: int, message: str, etype: str, headers: dict[str, str] | None = None
-    ) -> web.StreamResponse:
+    ) -> Answer:
         return self.reply(status, error_body(status, message, etype), headers or {}, JSON)
 
     async def open_stream(self, headers: dict[str, str]) -> None:
         """Send 200 and the headers of a stream; :class:`ClientGone` if the client left."""
-        out = self.response = web.StreamResponse(status=200, headers=headers)
+        out = self.response = http1.StreamResponse(status=200, headers=headers)
         try:
             await out.prepare(self._request)
         except ConnectionError:
@@ -353,7 +353,7 @@ class Legs:
         return toks
 
     # ------------------------------------------------------------------ to the client
-    def fail(self, ctx: Ctx, down: Downstream, err: LegError) -> web.StreamResponse:
+    def fail(self, ctx: Ctx, down: Downstream, err: LegError) -> Answer:
         """The answer when no engine could serve: the engine's own JSON 5xx if it sent one."""
         self.outcomes.failed(ctx)
         hdrs = ctx.reply_headers()
@@ -384,7 +384,7 @@ class Legs:
 
     async def relay(
         self, ctx: Ctx, down: Downstream, resp: Response, ep: Endpoint, stream: bool
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Forward a decoder's answer as it is (bytes as they come, no re-encoding)."""
         hdrs = ctx.reply_headers()
         hdrs["Content-Type"] = resp.headers.get("content-type", JSON)
@@ -418,7 +418,7 @@ class Legs:
         resp: Response,
         ep: Endpoint,
         relabel: Relabel | None = None,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Forward a decoder's SSE body to the open stream as it arrives: bytes as they are,
         or through ``relabel(chunk) -> bytes``. Owns ``resp`` (and so its lease)."""
         out = self.outcomes

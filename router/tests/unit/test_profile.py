@@ -10,7 +10,7 @@ LOOP = "Runner.run (asyncio/runners.py:118)"
 ROUTE = "Router._route (pd_router/app.py:494)"
 RAW = "\n".join(
     (
-        f"{ROOT};{LOOP};RequestHandler.start (aiohttp/web_protocol.py:610) 6",
+        f"{ROOT};{LOOP};HttpConnection.data_received (pd_router/http1.py:410) 6",
         f"{ROOT};{ROUTE};UpstreamClient._send (pd_router/upstream.py:390) 3",
         f"{ROOT};{ROUTE};UpstreamClient._send (pd_router/upstream.py:392) 1",
         f"{ROOT};{ROUTE};Decider.decide (pd_router/decide.py:127) 4",
@@ -25,7 +25,7 @@ RAW = "\n".join(
 def test_samples_are_charged_to_the_innermost_frames_owner() -> None:
     by_owner, by_func = profile.charge(RAW)
     assert by_owner == {
-        "aiohttp server side": 6,
+        "our HTTP server (pd_router/http1.py)": 6,
         "upstream client (pd_router/upstream.py)": 4,
         "our handler chain (pd_router, the rest)": 4,
         "metrics (prometheus_client, pd_router/metrics.py)": 2,
@@ -39,6 +39,6 @@ def test_samples_are_charged_to_the_innermost_frames_owner() -> None:
 def test_the_table_gives_each_owners_share_per_route() -> None:
     rows = profile.rows("ours-direct", "direct route", RAW)
     lines = profile.table(rows)
-    assert "| aiohttp server side | 30 % |" in lines
-    assert any("`RequestHandler.start (aiohttp/web_protocol.py)` 30 %" in line for line in lines)
+    assert "| our HTTP server (pd_router/http1.py) | 30 % |" in lines
+    assert any("`HttpConnection.data_received (pd_router/http1.py)` 30 %" in line for line in lines)
     assert profile.table([]) == []

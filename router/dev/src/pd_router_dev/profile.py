@@ -34,8 +34,9 @@ OWNERS: Sequence[tuple[str, tuple[str, ...]]] = (
         ("prometheus_client/", "pd_router/metrics.py"),
     ),
     ("logging", ("/logging/", "pd_router/logs.py")),
+    ("our HTTP server (pd_router/http1.py)", ("pd_router/http1.py",)),
     ("our handler chain (pd_router, the rest)", ("pd_router/",)),
-    ("aiohttp server side", ("aiohttp/",)),
+    ("aiohttp (the engines' health checks)", ("aiohttp/",)),
     (
         "event loop, transports and syscalls (asyncio, uvloop)",
         ("asyncio/", "uvloop/", "selectors.py", "socket.py"),

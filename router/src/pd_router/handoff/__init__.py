@@ -17,20 +17,19 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from aiohttp import web
-
 from pd_router.config import RouterConfig
 from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
 from pd_router.handoff.lmcache import LMCacheRoute
 from pd_router.handoff.lmcache_notify import build_waiter
 from pd_router.handoff.nixl import NixlRoute
+from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
 from pd_router.request import Ctx, Fallback
 
 
 class Route(Protocol):
-    async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse: ...
+    async def serve(self, ctx: Ctx, down: Downstream) -> Answer: ...
 
     async def start(self) -> None: ...
 
@@ -46,7 +45,7 @@ def build_route(cfg: RouterConfig, legs: Legs, direct: DirectRoute) -> Route:
     return NixlRoute(legs, direct)
 
 
-async def run(route: Route, direct: DirectRoute, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+async def run(route: Route, direct: DirectRoute, ctx: Ctx, down: Downstream) -> Answer:
     """``route`` serves ``ctx`` to its end: a fallback it raises is served by one decoder (its
     reason counted), a leg error before any byte is the client's error answer."""
     try:

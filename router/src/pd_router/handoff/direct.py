@@ -4,9 +4,8 @@ other endpoints reach a decoder (:meth:`DirectRoute.passthrough`)."""
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from pd_router.failures import LegError
+from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
 from pd_router.request import Ctx
 
@@ -21,7 +20,7 @@ class DirectRoute:
     async def stop(self) -> None:
         pass
 
-    async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+    async def serve(self, ctx: Ctx, down: Downstream) -> Answer:
         return await self.send(ctx, down, ctx.raw)
 
     async def send(
@@ -31,7 +30,7 @@ class DirectRoute:
         data: bytes,
         retry_data: bytes | None = None,
         named: bool = False,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """``data`` to a decoder (retries send ``retry_data`` when given; ``named``: ``data``
         names a KV revision, Legs.open_decoder), relayed back."""
         legs = self.legs
@@ -43,7 +42,7 @@ class DirectRoute:
             return legs.fail(ctx, down, err)
         return await legs.relay(ctx, down, resp, ep, ctx.stream)
 
-    async def passthrough(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+    async def passthrough(self, ctx: Ctx, down: Downstream) -> Answer:
         """One of vLLM's other endpoints (``openai_wire.PASSTHROUGH_PATHS``): ``ctx.raw`` to
         ``ctx.path`` on a decoder, retried like a completion; the answer relayed as it comes,
         a stream when the engine answers ``text/event-stream`` (the Responses API,

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from pd_router import balancing, revision
 from pd_router.config import LMCache
@@ -54,6 +53,7 @@ from pd_router.handoff.lmcache_answer import (
     whole_answer,
 )
 from pd_router.handoff.lmcache_notify import KvWaiter, Ticket
+from pd_router.http1 import Answer
 from pd_router.lease import Lease
 from pd_router.legs import JSON, SSE_HEADERS, ClientGone, Downstream, Legs
 from pd_router.lengths import effective_max_tokens, lower_min_tokens, min_tokens_above
@@ -250,7 +250,7 @@ class LMCacheRoute:
     async def stop(self) -> None:
         await self.waiter.stop()
 
-    async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+    async def serve(self, ctx: Ctx, down: Downstream) -> Answer:
         """The hand-off; raises :class:`Fallback` (or LegError) while nothing has reached the
         client, the decoder and the notification waiter given up whatever happened."""
         plan = await self._plan(ctx)
@@ -317,7 +317,7 @@ class LMCacheRoute:
 
     async def _run(
         self, ctx: Ctx, down: Downstream, plan: Plan, hold: Lease, ticket: Ticket
-    ) -> web.StreamResponse:
+    ) -> Answer:
         legs = self.legs
         t0 = time.perf_counter()
         first = await self._prefill(ctx, plan, ticket.req_id)
@@ -439,7 +439,7 @@ class LMCacheRoute:
         sid: str,
         created: int,
         first_text: str,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """The decode leg: on the decoder holding the KV if it landed, else elsewhere if
         possible (its buffer may hold a partial KV)."""
         legs = self.legs
@@ -478,7 +478,7 @@ class LMCacheRoute:
     # ------------------------------------------------------------------ reshape
     async def _first_only(
         self, ctx: Ctx, down: Downstream, sid: str, created: int, first: First, n_prompt: int
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """The answer was the prefiller's one token (it stopped, or one was asked for): the
         prefill leg's answer is the template (its usage counts the prompt and that token)."""
         out = self.legs.outcomes
@@ -516,7 +516,7 @@ class LMCacheRoute:
 
     async def _whole(
         self, ctx: Ctx, down: Downstream, resp: Response, sid: str, created: int, first_text: str
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """A non-streamed decode answer, with the first token put back in front."""
         legs, out = self.legs, self.legs.outcomes
         try:
@@ -541,7 +541,7 @@ class LMCacheRoute:
 
     async def _stream(
         self, ctx: Ctx, down: Downstream, resp: Response, dep: Endpoint, sid: str, created: int
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """Relay the decode leg's SSE events, re-labelled with our id (and as chat chunks)."""
         events = SseEvents()
         chat, model = ctx.chat, self.legs.served

@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from pd_router import balancing, revision
 from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
+from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
 from pd_router.lengths import lower_min_tokens, min_tokens_above, requested_max_tokens
 from pd_router.request import DISAGG, Ctx, Fallback
@@ -75,7 +75,7 @@ class NixlRoute:
     async def stop(self) -> None:
         pass
 
-    async def serve(self, ctx: Ctx, down: Downstream) -> web.StreamResponse:
+    async def serve(self, ctx: Ctx, down: Downstream) -> Answer:
         """Prefill, then decode with the prefiller's params; raises :class:`Fallback` while
         nothing has reached the client (pd_router.handoff.run serves it directly)."""
         legs, body = self.legs, ctx.body
