@@ -162,7 +162,9 @@ class Router:
         # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)
         self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
-        self.affinity_header = cfg.routing.session_affinity_header or None
+        self.affinity_header = (
+            cfg.routing.session_affinity_header or ""
+        ).lower() or None  # http1.Headers: lower-case names
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
         self.access_log = AccessLog(log)  # after logs.setup: the level decides
@@ -246,7 +248,7 @@ class Router:
 
     # ------------------------------------------------------------------ auth
     def _authorized(self, request: Request) -> bool:
-        return self.keys.check(request.headers.get("Authorization"))
+        return self.keys.check(request.headers.get("authorization"))
 
     def _metrics_authorized(self, request: Request) -> bool:
         """/metrics under ``protectMetrics``: an API key or a metrics-only token."""
@@ -254,7 +256,7 @@ class Router:
             return True
         if not (self.keys.enabled or self.metrics_tokens.enabled):
             return True  # no credential configured anywhere (warned at start-up)
-        header = request.headers.get("Authorization")
+        header = request.headers.get("authorization")
         return self.keys.matches(header) or self.metrics_tokens.matches(header)
 
     # ------------------------------------------------------------------ simple routes
@@ -382,7 +384,7 @@ class Router:
         return await self._handle(request, False, passthrough=True)
 
     async def _handle(self, request: Request, chat: bool, passthrough: bool = False) -> Answer:
-        rid = request.headers.get("X-Request-Id")
+        rid = request.headers.get("x-request-id")
         if not rid or not _RID_RE.fullmatch(rid):
             rid = f"{_ids.getrandbits(128):032x}"  # uuid4's syscall per request is not needed
         ctx = Ctx(rid, chat, request.path)
@@ -440,7 +442,7 @@ class Router:
     async def _read_body(self, request: Request, ctx: Ctx) -> bytes | Response:
         lim = self.cfg.limits
         refused = self.outcomes.refused
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):  # vLLM does not decode request bodies either
             refused(ctx, "bad_request")
             msg = f"Content-Encoding {encoding[:40]!r} is not supported; send the body uncompressed"
@@ -497,7 +499,7 @@ class Router:
         hand-off fields are stripped from it (vLLM's Responses, Anthropic, Cohere and
         token-in/token-out requests take ``kv_transfer_params`` too: 0.31.0 protocol.py files);
         only then is it re-serialized. The engine validates the rest."""
-        ctype = request.headers.get("Content-Type", "")
+        ctype = request.headers.get("content-type", "")
         if ctype and not _CTYPE_RE.fullmatch(ctype):
             return error_response(400, "unreadable Content-Type header", "invalid_request_error")
         ctx.headers = b"X-Request-Id: %s\r\n" % ctx.rid.encode()

@@ -93,7 +93,8 @@ class Headers:
         self._d = d
 
     def get(self, name: str, default: Any = None) -> Any:
-        return self._d.get(name.lower(), default)
+        """``name`` in lower case (the router's own names are: no case folding per call)."""
+        return self._d.get(name, default)
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._d
@@ -248,7 +249,8 @@ class StreamResponse:
             conn.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
             conn.write(data)
-        await conn.drain()
+        if conn._write_paused:  # most writes go straight out: no wait to set up
+            await conn.drain()
 
     async def write_eof(self) -> None:
         conn = self._conn

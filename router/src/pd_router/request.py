@@ -114,7 +114,10 @@ class Outcomes:
 
     def __init__(self, metrics: Metrics) -> None:
         m = self.metrics = metrics
+        # bound children, found once per label set (labels() takes a lock and builds a key)
         self._requests: dict[tuple[str, str], Any] = {}
+        self._decisions: dict[tuple[str, str], Any] = {}
+        self._estimates: dict[str, Any] = {}
         self._hist = {r: (m.ttft.labels(r), m.itl.labels(r), m.e2e.labels(r)) for r in ROUTES}
         self._sources = {s: m.token_count_source.labels(s) for s in COUNT_SOURCES}
         self._wait = {c: m.handoff_wait.labels(c) for c in ("nixl", "lmcache")}
@@ -166,7 +169,11 @@ class Outcomes:
             if ctx.t_end:
                 hist[2].observe(ctx.t_end - ctx.t0)
         if ctx.decided:
-            self.metrics.decisions.labels(ctx.route, ctx.reason).inc()
+            key = (ctx.route, ctx.reason)
+            c = self._decisions.get(key)
+            if c is None:
+                c = self._decisions[key] = self.metrics.decisions.labels(*key)
+            c.inc()
 
     # ------------------------------------------------------------------ events on the way
     def hist(self, route: str) -> tuple[Any, Any, Any]:
@@ -186,7 +193,10 @@ class Outcomes:
         self.metrics.prefix_matched.observe(matched)
         self.metrics.uncached.observe(uncached)
         if source:
-            self.metrics.prefix_estimates.labels(source).inc()
+            c = self._estimates.get(source)
+            if c is None:
+                c = self._estimates[source] = self.metrics.prefix_estimates.labels(source)
+            c.inc()
 
     def batch(self, reason: str) -> None:
         """A request for several completions, served directly (openai_wire.batch_reason)."""
