@@ -37,8 +37,8 @@ headers seen, then prefix / length against issue 13's targets. The decision's co
 8,000-token chat prompt, far from the threshold (sampled estimate) and near it (exact count
 in a thread), both decisions, against 1 ms on the loop and 2 ms of CPU. Last, where our router's
 CPU goes (``pd_router_dev.profile``): py-spy samples our direct and NIXL routes under the
-matrix's load (32 clients, not streamed), each sample charged to its owner (aiohttp's server
-side, the event loop, our handler chain, the upstream client, metrics, logging); the raw stacks
+matrix's load (32 clients, not streamed), each sample charged to its owner (our HTTP
+server, the event loop, our handler chain, the upstream client, metrics, logging); the raw stacks
 are kept next to ``--out``.
 """
 
