@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import time
 from collections import deque
@@ -46,6 +45,8 @@ from typing import Any
 from urllib.parse import unquote
 
 import httptools
+
+from pd_router.serving import until_stopped, write_port_file
 
 # The logger of the server's refusals (pd_router.logs rate-limits it and keeps its lines short).
 log = logging.getLogger("pd_router.http")
@@ -767,19 +768,12 @@ async def serve(
 ) -> None:
     """Start the app, listen, tell the starter the port, serve until SIGTERM/SIGINT, drain,
     stop the app."""
-    from pd_router.http_server import write_port_file
-
     await on_startup()
     try:
         bound = await server.start(host, port, backlog, reuse_port)
         write_port_file(port_file, bound)
         announce(bound)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
         await server.drain()
     finally:
         await on_cleanup()

@@ -1,24 +1,24 @@
-"""The router's aiohttp server with deadlines on client connections.
+"""aiohttp's server with deadlines on client connections, for the processes off the data plane
+(the LMCache notification sidecar, the engine metrics proxy; the router serves on ``http1``).
 
 aiohttp closes a connection idle for ``keepalive_timeout`` (default 3630 s) and bounds
 nothing else before a first request: a client that connects and sends a request head byte by
 byte, or nothing at all, holds a socket for an hour. :class:`AppRunner` passes
-``timeouts.clientIdleSeconds`` as the keep-alive timeout and gives every new connection
-``timeouts.clientHeaderSeconds`` to deliver its first whole request head (checked against
+its idle timeout as the keep-alive timeout and gives every new connection its head
+timeout to deliver its first whole request head (checked against
 aiohttp 3.14's ``web_runner.py``, ``web_server.py`` and ``web_protocol.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
+
+from pd_router.serving import until_stopped, write_port_file
 
 
 class _HeadDeadlineHandler(RequestHandler):
@@ -105,16 +105,6 @@ class AppRunner(web.AppRunner):
         )
 
 
-def write_port_file(path: str | None, port: int) -> None:
-    """Tell whoever started this process the bound port: written atomically once listening
-    (``--port-file``; the development stack waits for it)."""
-    if path:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, path)
-
-
 async def serve(
     runner: AppRunner,
     host: str,
@@ -137,11 +127,6 @@ async def serve(
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         write_port_file(port_file, bound)
         announce(bound)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
     finally:
         await runner.cleanup()

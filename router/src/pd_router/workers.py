@@ -111,7 +111,7 @@ def supervise(
 ) -> int:
     """Run ``n`` workers (``run_worker(cfg, port, ready)`` in each forked child) until
     SIGTERM/SIGINT or a worker's death. The exit status of the pod's router."""
-    from pd_router.http_server import write_port_file
+    from pd_router.serving import write_port_file
 
     reserved = _reserve(cfg.listen.host, cfg.listen.port)
     port = reserved.getsockname()[1]

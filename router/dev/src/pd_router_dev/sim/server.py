@@ -63,7 +63,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from pd_router.handoff.lmcache_wire import encode_notif
-from pd_router.http_server import write_port_file
+from pd_router.serving import write_port_file
 from pd_router_dev.sim import model as M
 from pd_router_dev.sim import protocol as P
 from pd_router_dev.sim.engine import (
