@@ -26,10 +26,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pd_router import balancing, hub_tokenizer, revision
+from pd_router import balancing, hub_tokenizer, revision, tracing
 from pd_router.admission import Admission, Reject
 from pd_router.auth import ApiKeys
-from pd_router.config import RouterConfig
+from pd_router.config import ConfigError, RouterConfig
 from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
@@ -168,6 +168,12 @@ class Router:
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
         self.access_log = AccessLog(log)  # after logs.setup: the level decides
+        # OpenTelemetry traces (tracing.endpoint): None when off, and then nothing is recorded
+        self.tracer = (
+            tracing.Tracer(cfg.tracing, lambda outcome, n: m.trace_spans.labels(outcome).inc(n))
+            if cfg.tracing.endpoint
+            else None
+        )
         self._bg: list[asyncio.Task[None]] = []
         # /v1/models: the engines' cards of the served model, asked at most once a TTL
         self._cards: list[dict[str, Any]] = []  # the last good answer
@@ -192,6 +198,11 @@ class Router:
         m = self.metrics
         if self.cfg.model.tokenizer_hub.repo:  # before the port opens: bad config stops here
             await self._load_hub_tokenizer()
+        if self.tracer is not None:  # an unreadable headers file stops start-up, named
+            try:
+                self.tracer.start()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         for src in ("file", "hub"):
             m.tokenizer_loaded.labels(src).set(1 if self.counter.source == src else 0)
         await self.disaggregated.start()  # first: a port it binds, already taken, stops start-up
@@ -245,6 +256,8 @@ class Router:
         self.up.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracer is not None:  # what is queued goes out (off the loop: it may wait)
+            await asyncio.to_thread(self.tracer.stop)
 
     # ------------------------------------------------------------------ auth
     def _authorized(self, request: Request) -> bool:
@@ -384,10 +397,23 @@ class Router:
         return await self._handle(request, False, passthrough=True)
 
     async def _handle(self, request: Request, chat: bool, passthrough: bool = False) -> Answer:
-        rid = request.headers.get("x-request-id")
+        h = request.headers
+        rid = h.get("x-request-id")
         if not rid or not _RID_RE.fullmatch(rid):
             rid = f"{_ids.getrandbits(128):032x}"  # uuid4's syscall per request is not needed
-        ctx = Ctx(rid, chat, request.path)
+        trace, fwd, trace_id = None, b"", ""
+        tp = h.get("traceparent")
+        if self.tracer is not None:
+            trace, fwd, trace_id = self.tracer.begin(
+                tp, h.get("tracestate"), request.method, request.path
+            )
+        elif tp is not None:  # tracing off: the client's trace context passes through
+            fwd, trace_id = tracing.forward(tp, h.get("tracestate"))
+        ctx = Ctx(rid, chat, request.path, fwd, trace)
+        ctx.trace_id = trace_id
+        if trace is not None:
+            trace.root.attrs["pd.request_id"] = rid
+            trace.current = trace.span("admission")  # ends once it holds a slot, or is refused
         status = 0
         try:
             resp = await self._admit(request, ctx, passthrough)
@@ -401,11 +427,40 @@ class Router:
             raise
         finally:  # the one place a request is counted, timed and logged, however it ended
             self.outcomes.finish(ctx)
+            if ctx.trace is not None:
+                self._close_trace(ctx, status)
             if self.access_log.enabled:
                 duration_ms = round((time.perf_counter() - ctx.t0) * 1000, 2)
                 self.access_log.write(
-                    rid, ctx.route, ctx.reason, status, ctx.path, duration_ms, ctx.revision
+                    rid,
+                    ctx.route,
+                    ctx.reason,
+                    status,
+                    ctx.path,
+                    duration_ms,
+                    ctx.revision,
+                    ctx.trace_id,
                 )
+
+    def _close_trace(self, ctx: Ctx, status: int) -> None:
+        """The request's trace is complete: its outcome on the root span, then to the
+        exporter."""
+        tr = ctx.trace
+        assert tr is not None and self.tracer is not None
+        attrs: dict[str, Any] = {
+            "http.response.status_code": status,
+            "pd.route": ctx.route,
+            "pd.reason": ctx.reason,
+            "pd.outcome": ctx.outcome,
+        }
+        if ctx.revision:
+            attrs["pd.kv_revision"] = ctx.revision
+        error = ""
+        if status >= 500 or ctx.outcome == "upstream_error":  # a stream can fail after its 200
+            attrs["error.type"] = ctx.outcome or str(status)
+            error = attrs["error.type"]
+        tr.close(attrs, error, ctx.t_first)
+        self.tracer.submit(tr)
 
     async def _admit(self, request: Request, ctx: Ctx, passthrough: bool = False) -> Answer:
         """auth -> body -> a slot -> serve. The body is read before a slot is taken, under its
@@ -423,6 +478,10 @@ class Router:
         except Reject as r:
             out.refused(ctx, "rejected")
             return error_response(r.status, r.message, r.etype, {"Retry-After": r.retry_after})
+        tr = ctx.trace
+        if tr is not None:  # admitted: later spans hang from the root
+            tr.end(tr.current)
+            tr.current = tr.root
         try:
             if passthrough:
                 ctx.reason = "passthrough"  # not decided: vLLM's other endpoints go to a decoder
@@ -502,7 +561,7 @@ class Router:
         ctype = request.headers.get("content-type", "")
         if ctype and not _CTYPE_RE.fullmatch(ctype):
             return error_response(400, "unreadable Content-Type header", "invalid_request_error")
-        ctx.headers = b"X-Request-Id: %s\r\n" % ctx.rid.encode()
+        ctx.headers = b"X-Request-Id: %s\r\n%s" % (ctx.rid.encode(), ctx.fwd)
         if ctype:
             ctx.headers = b"Content-Type: %s\r\n" % ctype.encode() + ctx.headers
         ctx.raw = raw
@@ -522,6 +581,9 @@ class Router:
         """decide -> the chosen route."""
         decider, out = self.decider, self.outcomes
         pools = Pools(self.decode.healthy, self.prefill.healthy, ctx.affinity)
+        tr = ctx.trace
+        if tr is not None:
+            tr.current = tr.span("decision")
         d = await decider.decide(
             ctx.body, ctx.chat, functools.partial(self._engine_count, ctx), pools
         )
@@ -539,8 +601,31 @@ class Router:
             # what it will hold once this prompt is prefilled there (or its KV lands there)
             decider.remember(d.decoder, d.blocks, self.decode.endpoints.values())
         route = self.disaggregated if d.disaggregate else self.direct
+        if tr is not None:
+            self._trace_decision(ctx, d)
         ctx.decided = True
         return await run(route, self.direct, ctx, Downstream(request))
+
+    def _trace_decision(self, ctx: Ctx, d: Any) -> None:
+        tr = ctx.trace
+        assert tr is not None
+        span = tr.current
+        a = span.attrs
+        a["pd.decision.route"] = "disaggregated" if d.disaggregate else "direct"
+        a["pd.decision.reason"] = d.reason
+        a["pd.decision.threshold"] = self.cfg.routing.threshold
+        a["pd.prompt_tokens.source"] = d.source
+        if d.tokens is not None:
+            a["pd.prompt_tokens"] = d.tokens
+        if ctx.cached_source:
+            a["pd.cached_tokens"] = ctx.cached
+            a["pd.cached_tokens.source"] = ctx.cached_source
+        if ctx.decoder is not None:
+            a["pd.decoder"] = ctx.decoder.base
+        if ctx.prefiller is not None:
+            a["pd.prefiller"] = ctx.prefiller.base
+        tr.end(span)
+        tr.current = tr.root
 
     async def _engine_count(self, ctx: Ctx, body: dict[str, Any], chat: bool) -> list[int]:
         """The decision's exact count when no local tokenizer exists: an engine's /tokenize."""

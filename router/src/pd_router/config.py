@@ -229,6 +229,28 @@ class Logging:
 
 
 @dataclass(frozen=True)
+class Tracing:
+    """OpenTelemetry traces over OTLP (pd_router.tracing). Empty ``endpoint`` = off: the router
+    imports no OpenTelemetry and records nothing; a client's ``traceparent`` still reaches the
+    engines unchanged."""
+
+    # The collector's OTLP endpoint, as OTEL_EXPORTER_OTLP_ENDPOINT takes it: grpc
+    # http(s)://host:port; http/protobuf a base URL, to which /v1/traces is appended.
+    # http:// sends in plaintext, https:// over TLS.
+    endpoint: str = ""
+    protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    # share of the traces the router starts that are recorded (a client's traceparent decides
+    # for its own: ParentBased(TraceIdRatioBased), the SDK's parentbased_traceidratio)
+    sampling_ratio: float = 0.1
+    service_name: str = "pd-router"
+    # OTLP headers (a backend's API key) from a file, e.g. a mounted Secret:
+    # key=value,key2=value2 as OTEL_EXPORTER_OTLP_HEADERS takes them; "" = none
+    headers_file: str = ""
+    # one export call, retries included (the SDK exporter's timeout)
+    timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     listen: Listen = field(default_factory=Listen)
     model: Model = field(default_factory=Model)
@@ -240,6 +262,7 @@ class RouterConfig:
     limits: Limits = field(default_factory=Limits)
     auth: Auth = field(default_factory=Auth)
     logging: Logging = field(default_factory=Logging)
+    tracing: Tracing = field(default_factory=Tracing)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -349,6 +372,8 @@ def _set_path(data: dict[str, Any], cls: type, parts: list[str], raw: str, env_k
 
 
 _URL_RE = re.compile(r"^https?://[^\s/]+(:\d+)?/?$")
+_OTLP_GRPC_RE = re.compile(r"^https?://[^\s/?#]+/?$")  # gRPC takes no path
+_OTLP_HTTP_RE = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
 _HUB_ENDPOINT_RE = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")  # a mirror may have a path
 _HUB_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -385,6 +410,25 @@ def _validate_tokenizer_hub(model: Model) -> None:
             f"{base}.endpoint: expected http(s)://host[:port][/path], got {hub.endpoint!r}"
         )
     _positive(hub.timeout_seconds, f"{base}.timeoutSeconds")
+
+
+def _validate_tracing(t: Tracing) -> None:
+    if not 0 <= t.sampling_ratio <= 1:  # NaN fails both
+        raise ConfigError(f"tracing.samplingRatio: must be between 0 and 1, got {t.sampling_ratio}")
+    if not t.service_name:
+        raise ConfigError("tracing.serviceName: must not be empty")
+    _positive(t.timeout_seconds, "tracing.timeoutSeconds")
+    if not t.endpoint:
+        return
+    if t.protocol == "grpc" and not _OTLP_GRPC_RE.match(t.endpoint):
+        raise ConfigError(
+            f"tracing.endpoint: expected http(s)://host:port for protocol grpc, got {t.endpoint!r}"
+        )
+    if not _OTLP_HTTP_RE.match(t.endpoint):
+        raise ConfigError(
+            "tracing.endpoint: expected an http(s):// URL (the base: /v1/traces is appended), "
+            f"got {t.endpoint!r}"
+        )
 
 
 def _validate(cfg: RouterConfig) -> None:
@@ -493,6 +537,7 @@ def _validate(cfg: RouterConfig) -> None:
     _positive(li.queue_timeout_seconds, "limits.queueTimeoutSeconds")
     if li.max_body_bytes < MIN_MAX_BODY_BYTES:
         raise ConfigError(f"limits.maxBodyBytes: must be >= {MIN_MAX_BODY_BYTES}")
+    _validate_tracing(cfg.tracing)
 
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None) -> RouterConfig:

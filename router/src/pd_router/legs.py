@@ -32,6 +32,7 @@ from pd_router.openai_wire import (
     tokenize_request,
 )
 from pd_router.request import Ctx, Fallback, Outcomes
+from pd_router.tracing import CLIENT, Span, Trace
 from pd_router.upstream import Response, UpstreamClient
 
 log = logging.getLogger("pd_router")
@@ -103,6 +104,31 @@ class Downstream:
         with contextlib.suppress(ConnectionError, RuntimeError):
             await self.response.write(sse_error(message, etype, code))
             await self.response.write_eof()
+
+
+def leg_span(ctx: Ctx, name: str, ep: Endpoint, path: str) -> Span | None:
+    """A CLIENT span for an engine call of a traced request (None when not traced), described
+    as OTel's HTTP client conventions say."""
+    tr = ctx.trace
+    if tr is None:
+        return None
+    attrs: dict[str, Any] = {
+        "http.request.method": "POST",
+        "server.address": ep.host,
+        "server.port": ep.port,
+        "url.path": path,
+        "pd.engine": ep.base,
+    }
+    if ep.revision:
+        attrs["pd.kv_revision"] = ep.revision
+    return tr.span(name, CLIENT, attrs)
+
+
+def leg_headers(ctx: Ctx, span: Span | None) -> bytes:
+    """The header block of an engine call: its span's trace context when traced."""
+    if span is None or ctx.trace is None:
+        return ctx.headers
+    return ctx.trace.headers(ctx.headers, span)
 
 
 JSON = "application/json"
@@ -189,11 +215,18 @@ class Legs:
                     else:
                         out.fallback(ctx, "decode_retry")
             tried.append(ep)
+            span = leg_span(ctx, "decode", ep, path)
+            if span is not None:
+                span.attrs["pd.attempt"] = len(tried)
+                if retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
+                    span.attrs["pd.kv_transfer_params"] = data is not retry_data
             try:
                 resp = await self._try_decoder(
-                    ctx, ep, path, data, stream, idle, named and data is not retry_data
+                    ctx, ep, path, data, stream, idle, named and data is not retry_data, span
                 )
             except LegError as err:
+                if span is not None:
+                    Trace.end(span, err.kind)
                 if err.kind == "revision":
                     pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
                 else:
@@ -207,6 +240,9 @@ class Legs:
                 continue
             pool.report_success(ep)
             ctx.revision = ep.revision or ""
+            if span is not None:
+                assert ctx.trace is not None
+                ctx.trace.answer = span  # ends with the answer; first token then (Trace.close)
             return resp, ep
 
     async def _try_decoder(
@@ -218,6 +254,7 @@ class Legs:
         stream: bool,
         idle: float,
         named: bool = False,
+        span: Span | None = None,
     ) -> Response:
         """One try. A stream is only handed on once it has begun (:func:`stream_opening`: vLLM
         sends the headers at once, then the role, then the first token), so a decoder that
@@ -228,10 +265,20 @@ class Legs:
         started = time.monotonic()
         try:
             resp = await self.up.post(
-                ep.host, ep.port, ep.tls, path, data, ctx.headers, fb, idle, lease.release
+                ep.host,
+                ep.port,
+                ep.tls,
+                path,
+                data,
+                leg_headers(ctx, span),
+                fb,
+                idle,
+                lease.release,
             )
         except UPSTREAM_ERRORS as exc:
             raise LegError.of(exc) from None
+        if span is not None:
+            span.attrs["http.response.status_code"] = resp.status
         if resp.status >= 500:
             try:
                 body = await resp.read_release()
@@ -283,6 +330,27 @@ class Legs:
         of a request the client never sent), so a decoder answers the client's own
         (``prefill_refused``). ``report_success``: off where the hand-off has more to prove
         (LMCache: its notification)."""
+        span = leg_span(ctx, "prefill", ep, path)
+        try:
+            answer = await self._prefill(ctx, ep, path, body, ntok, span, report_success)
+        except Fallback as fb:
+            if span is not None:
+                Trace.end(span, fb.reason)
+            raise
+        if span is not None:
+            Trace.end(span)
+        return answer
+
+    async def _prefill(
+        self,
+        ctx: Ctx,
+        ep: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        ntok: int,
+        span: Span | None,
+        report_success: bool,
+    ) -> Any:
         lease = Lease(ep, ntok)
         ps = self.t.prefill_seconds
         try:
@@ -293,7 +361,7 @@ class Legs:
                 ep.tls,
                 path,
                 orjson.dumps(body),
-                ctx.headers,
+                leg_headers(ctx, span),
                 ps,
                 ps,
                 lease.release,
@@ -302,6 +370,8 @@ class Legs:
         except UPSTREAM_ERRORS as exc:
             raise self.prefill_broken(ep, LegError.of(exc)) from None
         status = r.status
+        if span is not None:
+            span.attrs["http.response.status_code"] = status
         if revision.is_refusal(status, body, self.served):
             self.outcomes.upstream("prefill", "revision")
             self.prefill_pool.relearn(ep)  # it runs other bits than it said: ask it again
@@ -330,11 +400,23 @@ class Legs:
         ``TokenizeChatRequest``/``TokenizeCompletionRequest`` -> ``{count, max_model_len,
         tokens}``); learns ``max_model_len``. Raises :class:`TokenizeError`."""
         req = orjson.dumps(tokenize_request(body, chat, self.served))
+        span = leg_span(ctx, "tokenize", ep, "/tokenize")
+        try:
+            toks = await self._tokenize(ctx, ep, req, span)
+        except TokenizeError:
+            if span is not None:
+                Trace.end(span, "tokenize_error")
+            raise
+        if span is not None:
+            Trace.end(span)
+        return toks
+
+    async def _tokenize(self, ctx: Ctx, ep: Endpoint, req: bytes, span: Span | None) -> list[int]:
         t = self.t_tokenize
         try:  # not leased: counting is not load the balancer should weigh
             async with asyncio.timeout(t):
                 resp = await self.up.post(
-                    ep.host, ep.port, ep.tls, "/tokenize", req, ctx.headers, t, t
+                    ep.host, ep.port, ep.tls, "/tokenize", req, leg_headers(ctx, span), t, t
                 )
                 data = await resp.read_release()
             if resp.status != 200:

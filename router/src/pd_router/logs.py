@@ -172,6 +172,7 @@ class AccessLog:
         path: str,
         duration_ms: float,
         kv_revision: str = "",
+        trace_id: str = "",
     ) -> None:
         now = time.time()
         second = int(now)
@@ -190,6 +191,7 @@ class AccessLog:
             "path": path,
             "duration_ms": duration_ms,
             "kv_revision": kv_revision,  # the answering decoder's (pd_router.revision)
+            "trace_id": trace_id,  # W3C trace id (pd_router.tracing); "" = no trace context
         }
         data = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
         if self._fd is None:

@@ -66,6 +66,7 @@ DECIDED = (
 # pd_router_batch_requests_total{reason}: openai_wire.batch_reason (n > 1, several prompts)
 BATCH_REASONS = ("n", "prompts")
 SIDECAR_OUTCOMES = ("ok", "timeout", "error")
+TRACE_SPAN_OUTCOMES = ("exported", "failed", "dropped")  # pd_router.tracing.Exporter
 
 
 class Metrics:
@@ -244,6 +245,14 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.trace_spans = Counter(
+            "pd_router_trace_spans",
+            "Spans of sampled requests by what became of them (tracing): exported (the "
+            "collector took them), failed (the exporter gave up on its batch), dropped (the "
+            "export queue was full)",
+            ["outcome"],
+            registry=r,
+        )
         self.passthrough = Counter(
             "pd_router_passthrough_requests",
             "Requests to vLLM's other endpoints (/v1/responses, /tokenize, ...), relayed to a "
@@ -269,6 +278,8 @@ class Metrics:
             self.prefix_estimates.labels(source)
         for outcome in KV_EVENT_OUTCOMES:
             self.kv_event_batches.labels(outcome)
+        for outcome in TRACE_SPAN_OUTCOMES:
+            self.trace_spans.labels(outcome)
 
     def preset_lmcache(self, receiver: str) -> None:
         """The LMCache hand-off's counters, for the notification receiver in use."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from pd_router.discovery import Endpoint
 from pd_router.metrics import FALLBACK_REASONS, FallbackReason, Metrics
+from pd_router.tracing import Trace
 
 DIRECT = "direct"
 DISAGG = "disaggregated"
@@ -54,6 +55,7 @@ class Ctx:
         "chat",
         "decided",
         "decoder",
+        "fwd",
         "headers",
         "ids",
         "outcome",
@@ -69,15 +71,27 @@ class Ctx:
         "t0",
         "t_end",
         "t_first",
+        "trace",
+        "trace_id",
     )
 
-    def __init__(self, rid: str, chat: bool, path: str) -> None:
+    def __init__(
+        self, rid: str, chat: bool, path: str, fwd: bytes = b"", trace: Trace | None = None
+    ) -> None:
         self.rid = rid
         self.chat = chat
         self.path = path
         self.affinity: str | None = None
+        # trace context every engine call carries when no span of ours is its parent: the
+        # client's (tracing off) or an unsampled trace's (pd_router.tracing); b"" = none
+        self.fwd = fwd
+        self.trace = trace  # this request's spans when sampled (pd_router.tracing), else None
+        self.trace_id = ""  # for the access log: the trace this request belongs to, if any
         # pre-encoded upstream header block (rid is validated: no CR/LF possible)
-        self.headers = b"Content-Type: application/json\r\nX-Request-Id: %s\r\n" % rid.encode()
+        self.headers = b"Content-Type: application/json\r\nX-Request-Id: %s\r\n%s" % (
+            rid.encode(),
+            fwd,
+        )
         self.route = DIRECT
         self.reason = ""  # why it went there: decide.REASONS, or the fallback's reason
         self.decoder: Endpoint | None = None  # the decision's decoder (legs prefer it)
@@ -188,6 +202,8 @@ class Outcomes:
         self.metrics.fallbacks.labels(reason).inc()
         ctx.route = FALLBACK
         ctx.reason = reason
+        if ctx.trace is not None:
+            ctx.trace.fallback(reason)
 
     def prefix(self, matched: int, uncached: int, source: str) -> None:
         self.metrics.prefix_matched.observe(matched)

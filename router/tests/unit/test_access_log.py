@@ -16,7 +16,9 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
     with open(out, "w") as f:
         access = AccessLog(logger, f)
         assert access.enabled
-        access.write("rid-1", "direct", "prefix_cached", 200, "/v1/completions", 1.25, "0a1b2c3d")
+        access.write(
+            "rid-1", "direct", "prefix_cached", 200, "/v1/completions", 1.25, "0a1b2c3d", "4bf92f35"
+        )
     line = json.loads(out.read_text())
     record = logging.LogRecord("pd_router", logging.INFO, __file__, 1, "request", None, None)
     for k, v in {
@@ -27,6 +29,7 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
         "path": "/v1/completions",
         "duration_ms": 1.25,
         "kv_revision": "0a1b2c3d",
+        "trace_id": "4bf92f35",
     }.items():
         setattr(record, k, v)
     expected = json.loads(JsonFormatter().format(record))

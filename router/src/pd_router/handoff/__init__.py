@@ -52,7 +52,16 @@ async def run(route: Route, direct: DirectRoute, ctx: Ctx, down: Downstream) -> 
         return await route.serve(ctx, down)
     except Fallback as fb:
         direct.legs.outcomes.fallback(ctx, fb.reason)
-        return await direct.serve(ctx, down)
+        tr = ctx.trace
+        if tr is None:
+            return await direct.serve(ctx, down)
+        # traced: the one decoder's legs hang from a span naming why
+        span = tr.current = tr.span("fallback", attrs={"pd.fallback.reason": fb.reason})
+        try:
+            return await direct.serve(ctx, down)
+        finally:
+            tr.end(span)
+            tr.current = tr.root
     except LegError as err:
         return direct.legs.fail(ctx, down, err)
 

@@ -58,6 +58,7 @@ from pd_router.lease import Lease
 from pd_router.legs import JSON, SSE_HEADERS, ClientGone, Downstream, Legs
 from pd_router.lengths import effective_max_tokens, lower_min_tokens, min_tokens_above
 from pd_router.request import DISAGG, Ctx, Fallback
+from pd_router.tracing import Trace
 from pd_router.upstream import Response
 
 log = logging.getLogger("pd_router.lmcache")
@@ -416,7 +417,14 @@ class LMCacheRoute:
         """Wait until the KV landed on the planned decoder; a broken hand-off counts against
         the prefiller like a failed prefill (ejected after passiveFailureThreshold in a row)."""
         legs = self.legs
+        span = None
+        if ctx.trace is not None:  # until every prefill rank's notification arrived
+            expected = {"pd.lmcache.notifications": self.lm.notifications_per_request}
+            span = ctx.trace.span("kv_handoff_wait", attrs=expected)
         outcome = await self.waiter.wait(ticket, plan.pre)
+        if span is not None:
+            span.attrs["pd.kv_handoff.outcome"] = outcome
+            Trace.end(span, "" if outcome == "ok" else f"notify_{outcome}")
         legs.outcomes.handoff_wait("lmcache", time.perf_counter() - t0)
         if outcome == "ok":
             legs.prefill_pool.report_success(plan.pre)
