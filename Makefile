@@ -78,7 +78,7 @@ $(VENV)/.demo: $(wildcard router/pyproject.toml router/dev/pyproject.toml)
 	echo "venv: installing the router, the simulator and the openai client into $(VENV)" >&2; \
 	$(PY) -m pip install --upgrade $(PIP) >&2 && $(PY) -m pip install -e 'router[demo]' -e router/dev >&2 && touch $@
 
-demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopback (ARGS="--once", "--port 8080", "--model NAME"; logs are kept)
+demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopback (ARGS="--once", "--port 8080", "--model NAME", "--trace": print each request's trace, needs make tools; logs are kept)
 	$(PY) -m pd_router_dev.demo $(ARGS)
 
 bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic, multi-turn chat, the decision's cost and a py-spy profile; ARGS=--help (~7 min)

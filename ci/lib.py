@@ -59,6 +59,7 @@ HELM4 = ROOT / tools()["HELM4"]  # what Argo CD 3.5 embeds: the Helm every rende
 HELM3 = ROOT / tools()["HELM3"]
 HELM = HELM4
 PROMETHEUS_DIR = ROOT / tools()["PROMETHEUS_DIR"]
+OTELCOL = ROOT / tools()["OTELCOL_DIR"] / "otelcol-pd"  # the OpenTelemetry Collector (install-tools)
 
 
 def helm_binaries() -> list[Path]:

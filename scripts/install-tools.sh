@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs, idempotently: Helm 4 and Helm 3 (from their Go modules when no matching helm is on
 # PATH) into .tools/, checkov into .tools/checkov-venv, Prometheus (server and promtool, from its Go
-# module) into .tools/prometheus-<PROMETHEUS_VERSION>/{prometheus,promtool}, and llm-d-inference-sim
-# when its installer exists. `make tools` also runs scripts/install-engine-stack.sh and
+# module) into .tools/prometheus-<PROMETHEUS_VERSION>/{prometheus,promtool}, the OpenTelemetry
+# Collector (built by its builder from Go modules) into .tools/otelcol-<OTELCOL_VERSION>/otelcol-pd,
+# and llm-d-inference-sim when its installer exists. `make tools` also runs scripts/install-engine-stack.sh and
 # scripts/install-kube.sh. The versions and paths are pinned in scripts/tools.env and nowhere else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec 1>&2  # progress goes to stderr: `make render` prints only manifests on stdout
 
-. scripts/tools.env  # HELM4_VERSION, HELM4, HELM3_VERSION, HELM3, PROMETHEUS_VERSION, PROMETHEUS_DIR
+. scripts/tools.env  # HELM*, PROMETHEUS_*, OTELCOL_*
 install_helm() { # major version, version, binary path: 4 "$HELM4_VERSION" "$HELM4"
   local major=$1 version=$2 dir
   dir="$PWD/$(dirname "$3")"  # absolute: go install wants an absolute GOBIN
@@ -53,6 +54,35 @@ install_prometheus() { # both binaries from one `go install`; the web UI assets 
   echo "$version" > "$dir/.version"
 }
 
+install_otelcol() { # the collector's builder (ocb) writes a main module naming these components, then builds it
+  local dir="$PWD/$OTELCOL_DIR" stamp="$OTELCOL_VERSION $OTELCOL_STABLE_VERSION"
+  if [ -x "$dir/otelcol-pd" ] && [ "$(cat "$dir/.version" 2>/dev/null)" = "$stamp" ]; then
+    return 0
+  fi
+  command -v go >/dev/null || { echo "install-tools: Go is needed to build the OpenTelemetry Collector (none on PATH)" >&2; exit 1; }
+  echo "install-tools: building the OpenTelemetry Collector $OTELCOL_VERSION (OTLP receiver, file and nop exporters) with its builder (first run only, a few minutes)"
+  rm -rf "$dir" && mkdir -p "$dir/src"
+  GOBIN="$dir" GOFLAGS=-mod=mod go install "go.opentelemetry.io/collector/cmd/builder@$OTELCOL_VERSION"
+  cat > "$dir/manifest.yaml" <<MANIFEST
+dist:
+  name: otelcol-pd
+  description: OpenTelemetry Collector for pd-inference's tests and benchmarks
+  output_path: $dir/src
+  version: ${OTELCOL_VERSION#v}
+receivers:
+  - gomod: go.opentelemetry.io/collector/receiver/otlpreceiver $OTELCOL_VERSION
+exporters:
+  - gomod: github.com/open-telemetry/opentelemetry-collector-contrib/exporter/fileexporter $OTELCOL_VERSION
+  - gomod: go.opentelemetry.io/collector/exporter/nopexporter $OTELCOL_VERSION
+providers:
+  - gomod: go.opentelemetry.io/collector/confmap/provider/envprovider $OTELCOL_STABLE_VERSION
+  - gomod: go.opentelemetry.io/collector/confmap/provider/fileprovider $OTELCOL_STABLE_VERSION
+MANIFEST
+  GOFLAGS=-mod=mod "$dir/builder" --config "$dir/manifest.yaml"
+  mv "$dir/src/otelcol-pd" "$dir/otelcol-pd"
+  echo "$stamp" > "$dir/.version"
+}
+
 helm_ready() { # version, binary path
   echo "install-tools: helm $1 ($("$2" version --template '{{.GoVersion}}')) at $2"
 }
@@ -85,9 +115,9 @@ install_llm_d_sim() {
 }
 
 # What to install: `helm` (both versions; `helm4` or `helm3` for one), `checkov`, `prometheus`,
-# `llm-d-sim`; no argument = all four.
+# `otelcol`, `llm-d-sim`; no argument = all five.
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(helm checkov prometheus llm-d-sim)
+[ ${#parts[@]} -gt 0 ] || parts=(helm checkov prometheus otelcol llm-d-sim)
 for part in "${parts[@]}"; do
   case "$part" in
     helm)
@@ -113,7 +143,11 @@ for part in "${parts[@]}"; do
       install_prometheus
       echo "install-tools: $("$PROMETHEUS_DIR/prometheus" --version | head -1) at $PROMETHEUS_DIR/{prometheus,promtool}"
       ;;
+    otelcol)
+      install_otelcol
+      echo "install-tools: $("$OTELCOL_DIR/otelcol-pd" --version) at $OTELCOL_DIR/otelcol-pd"
+      ;;
     llm-d-sim) install_llm_d_sim ;;
-    *) echo "install-tools: unknown part $part (helm, helm4, helm3, checkov, prometheus, llm-d-sim)"; exit 2 ;;
+    *) echo "install-tools: unknown part $part (helm, helm4, helm3, checkov, prometheus, otelcol, llm-d-sim)"; exit 2 ;;
   esac
 done

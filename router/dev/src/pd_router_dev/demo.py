@@ -1,6 +1,8 @@
 """``make demo``: one simulated prefill engine, one simulated decode engine and the router on
 loopback; three chat requests through the official ``openai`` client: a short one, a long one
-and the long one's next turn (served by the decoder that holds it).
+and the long one's next turn (served by the decoder that holds it). ``--trace`` also runs the
+OpenTelemetry Collector (built by ``make tools``), has the router trace every request and prints
+each request's trace as the collector received it.
 
 The router is configured from ``demo-config.yaml`` through the same loader as the chart's
 ConfigMap; the engines' ports (and ``--port``/``--model``) are filled in with ``PD_ROUTER__*``
@@ -15,7 +17,9 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 from pd_router.config import load_config
 from pd_router_dev.devstack import DEMO_CONFIG, Stack, free_port
@@ -31,7 +35,9 @@ LONG_DOC = (
 ) * 60
 
 
-def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float, float]:
+def _ask(
+    client: object, model: str, content: str, headers: dict[str, str] | None = None
+) -> tuple[str, str, str, float, float]:
     t0 = time.perf_counter()
     ttft = 0.0
     parts: list[str] = []
@@ -41,6 +47,7 @@ def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float
         max_tokens=24,
         temperature=0,
         stream=True,
+        extra_headers=headers or {},
     ) as resp:
         route = resp.headers.get("x-pd-route", "?")
         reason = resp.headers.get("x-pd-reason", "?")
@@ -50,6 +57,31 @@ def _ask(client: object, model: str, content: str) -> tuple[str, str, str, float
                     ttft = time.perf_counter() - t0
                 parts.append(chunk.choices[0].delta.content)
     return "".join(parts), route, reason, ttft, time.perf_counter() - t0
+
+
+def _print_trace(spans: list[dict[str, Any]]) -> None:
+    """A trace as an indented tree: each span's duration and what the router says of it."""
+    by_parent: dict[str, list[dict[str, Any]]] = {}
+    ids = {s["spanId"] for s in spans}
+    for s in spans:
+        parent = s.get("parentSpanId", "")
+        by_parent.setdefault(parent if parent in ids else "", []).append(s)
+
+    def show(s: dict[str, Any], depth: int) -> None:
+        ms = (int(s["endTimeUnixNano"]) - int(s["startTimeUnixNano"])) / 1e6
+        said = {
+            k.removeprefix("pd."): v
+            for k, v in s["attrs"].items()
+            if k in ("pd.route", "pd.reason", "pd.ttft_ms", "pd.prompt_tokens", "pd.engine")
+            or k.startswith("pd.decision.")
+        }
+        detail = " ".join(f"{k}={v}" for k, v in said.items())
+        print(f"  {'  ' * depth}{s['name']:<{34 - 2 * depth}} {ms:8.1f} ms  {detail}")
+        for c in sorted(by_parent.get(s["spanId"], []), key=lambda c: int(c["startTimeUnixNano"])):
+            show(c, depth + 1)
+
+    for root in by_parent.get("", []):
+        show(root, 0)
 
 
 def _kv_events() -> list[str]:
@@ -68,10 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         "--api-key",
         help="run the router with this API key (router.auth) and ask with it; default: no keys",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace every request to the OpenTelemetry Collector (make tools builds it) and "
+        "print each trace",
+    )
     a = p.parse_args(argv)
     if not 0 <= a.port <= 65535:
         p.error(f"--port: must be between 0 and 65535, got {a.port}")
-    import openai
 
     notify, init_port, alloc_port = free_port(), free_port(), free_port()
     timing = [
@@ -95,6 +132,35 @@ def main(argv: list[str] | None = None) -> int:
     if a.api_key:  # the keys file the chart mounts from router.auth.existingSecret
         (logs / "api-keys").write_text(a.api_key + "\n")
         env["PD_ROUTER__AUTH__APIKEYSFILE"] = str(logs / "api-keys")
+    collector = None
+    if a.trace:
+        from pd_router_dev import otelcol
+
+        try:
+            collector = otelcol.Collector(logs, "demo-otelcol")
+        except RuntimeError as exc:
+            p.error(f"--trace: {exc}")
+        env["PD_ROUTER__TRACING__ENDPOINT"] = collector.grpc
+        env["PD_ROUTER__TRACING__SAMPLINGRATIO"] = "1"
+    try:
+        return _run(a, env, logs, collector, notify, init_port, alloc_port, timing)
+    finally:
+        if collector is not None:
+            collector.stop()
+
+
+def _run(
+    a: argparse.Namespace,
+    env: dict[str, str],
+    logs: Path,
+    collector: Any,
+    notify: int,
+    init_port: int,
+    alloc_port: int,
+    timing: list[str],
+) -> int:
+    import openai
+
     with Stack(logs) as stack:  # a folder given to Stack is left in place: the logs stay
         stop = {"now": False}
 
@@ -153,12 +219,24 @@ def main(argv: list[str] | None = None) -> int:
             # the decoder that received the long prompt's KV holds it: no prefill leg again
             ("next-turn", long + "\nNow in one sentence."),
         ):
-            answer, route, reason, ttft, total = _ask(client, cfg.model.served_name, content)
+            tid = uuid.uuid4().hex
+            headers = {"traceparent": f"00-{tid}-{uuid.uuid4().hex[:16]}-01"} if collector else {}
+            answer, route, reason, ttft, total = _ask(
+                client, cfg.model.served_name, content, headers
+            )
             print(
                 f"\n[{label} request: {len(content)} chars] route={route} reason={reason} "
                 f"TTFT={ttft * 1000:.0f} ms total={total * 1000:.0f} ms"
             )
             print(f"  answer: {answer.strip()}")
+            if collector is not None:  # the router exports within a second or so
+                spans = collector.trace(
+                    tid,
+                    lambda sp: any(s["name"].startswith("POST ") for s in sp),
+                    "its request span",
+                )
+                print(f"  trace {tid} (as the collector received it):")
+                _print_trace(spans)
         if a.once:
             print(f"\nlogs (kept): {logs}")
             return 0

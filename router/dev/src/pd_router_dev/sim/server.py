@@ -482,6 +482,9 @@ class SimEngine:
                 "path": request.path,
                 "x_request_id": request.headers.get("X-Request-Id"),
                 "authorization": request.headers.get("Authorization"),
+                # W3C trace context as vLLM reads it (vllm/tracing.py TRACE_HEADERS)
+                "traceparent": request.headers.get("traceparent"),
+                "tracestate": request.headers.get("tracestate"),
                 "body": body,
             }
         )
