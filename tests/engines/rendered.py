@@ -48,6 +48,10 @@ REVISIONS = ("1" * 40, "2" * 40)
 REAL_ONLY_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     f"env:dev revision {i}": (LAYERINGS["env:dev"], (f"model.revision={rev}",)) for i, rev in enumerate(REVISIONS)
 }
+# ... and the dev environment with tracing on (tests/real_engine/test_real_tracing.py): the router
+# and both engines export to a collector (its address here a placeholder the tier replaces).
+TRACING_SETS = ("tracing.endpoint=http://otel-collector.observability.svc:4317",)
+REAL_ONLY_RENDERS["env:dev traced"] = (LAYERINGS["env:dev"], TRACING_SETS)
 
 
 @dataclass(frozen=True)

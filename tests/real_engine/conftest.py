@@ -22,9 +22,11 @@ HERE = Path(__file__).resolve().parent
 
 # Modules that run last, in this order, so the dense pair starts once and stops once (Pairs):
 # test_real_kv_events.py is the dense pair's last user (it replaces the decoder, then stops the
-# pair); the others need the machine to themselves (no dense pair).
+# pair); test_real_tracing.py starts a pair of its own (tracing on); the others need the machine
+# to themselves (no dense pair).
 LAST = (
     "test_real_kv_events.py",
+    "test_real_tracing.py",
     "test_real_drain.py",
     "test_real_revision.py",
     "test_real_lmcache.py",
@@ -57,13 +59,17 @@ class Pairs:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.kind: str | None = None
+        self.kind: tuple[str, str] | None = None
         self.pair: dict[str, engines.Engine] = {}
 
-    def get(self, kind: str) -> dict[str, engines.Engine]:
-        if self.kind != kind:
+    def get(self, kind: str, render: str = engines.RENDER, otlp: str = "") -> dict[str, engines.Engine]:
+        """The pair of model ``kind`` as ``render`` renders it (``otlp``: its collector)."""
+        if self.kind != (kind, render):
             self.stop()
-            pair = [engines.engine("prefill", kind, 0, self.workdir), engines.engine("decode", kind, 1, self.workdir)]
+            pair = [
+                engines.engine("prefill", kind, 0, self.workdir, render=render, otlp=otlp),
+                engines.engine("decode", kind, 1, self.workdir, render=render, otlp=otlp),
+            ]
             try:
                 for e in pair:
                     e.start()
@@ -72,7 +78,7 @@ class Pairs:
                 for e in pair:
                     e.stop()
                 raise
-            self.kind, self.pair = kind, {e.role: e for e in pair}
+            self.kind, self.pair = (kind, render), {e.role: e for e in pair}
         return self.pair
 
     def stop(self) -> None:

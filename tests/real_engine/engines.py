@@ -25,7 +25,9 @@ The changes, and why (one list; everything else is the chart's):
 - the CPU build's own knobs: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), one OpenMP thread
   bound to the engine's core, the whole process tree pinned to that core (unpinned, a prefill
   right after a decode took 483 instead of 23 ms: real-engine-cpu.md);
-- NIXL's progress thread polls every millisecond instead of spinning (harness/engine_site).
+- NIXL's progress thread polls every millisecond instead of spinning (harness/engine_site);
+- with tracing on, the collector on loopback for ``--otlp-traces-endpoint``, and the pod name
+  the kubelet would put in ``OTEL_RESOURCE_ATTRIBUTES`` (``$(POD_NAME)``).
 """
 
 from __future__ import annotations
@@ -236,9 +238,10 @@ def cpu_command(
     extra: Sequence[str] = (),
     weights: int = 0,
     events: tuple[int, int] = (0, 0),
+    otlp: str = "",
 ) -> tuple[list[str], dict[str, str]]:
     """The chart's command line and env for ``e``, changed only as the module docstring lists;
-    ``events``: the KV-event publisher and replay ports."""
+    ``events``: the KV-event publisher and replay ports; ``otlp``: the collector's endpoint."""
     version, build = cpu_build()
     args = list(e.args)
     assert not args[0].startswith("-"), args
@@ -251,6 +254,9 @@ def cpu_command(
             a = "--host=127.0.0.1"
         elif a.startswith("--port="):
             a = f"--port={port}"
+        elif a.startswith("--otlp-traces-endpoint="):
+            assert otlp, "an engine that exports traces needs the collector's endpoint"
+            a = f"--otlp-traces-endpoint={otlp}"
         elif a == "--kv-transfer-config":
             kv = json.loads(next(it))
             if kv["kv_connector"] == "NixlConnector":
@@ -271,6 +277,8 @@ def cpu_command(
     out += list(extra)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON", "LMCACHE_", "FI_"))}
     env.update({k: v for k, v in e.env.items() if k != "FI_PROVIDER"})
+    if "OTEL_RESOURCE_ATTRIBUTES" in env:  # the kubelet's $(POD_NAME) expansion
+        env["OTEL_RESOURCE_ATTRIBUTES"] = env["OTEL_RESOURCE_ATTRIBUTES"].replace("$(POD_NAME)", f"{e.role}-0")
     home = stack.ROOT / ".tools" / "engine-home"
     env.update(
         HOME=str(home / "home"),
@@ -313,12 +321,13 @@ def engine(
     render: str = RENDER,
     weights: int = 0,
     port: int | None = None,
+    otlp: str = "",
 ) -> Engine:
     """An engine as ``render`` renders ``role``; ``port``: its HTTP port (a pod replaced in place
-    keeps its name: the router's static pool keeps the address)."""
+    keeps its name: the router's static pool keeps the address); ``otlp``: the collector."""
     port, side = port or free_port(), free_port()
     events = (free_port(), free_port())
-    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra, weights, events)
+    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra, weights, events, otlp)
     log = workdir / f"{role}-{kind}-w{weights}-{port}-{time.monotonic_ns()}.log"
     publishes = "--kv-events-config" in argv
     ev = events if publishes else (0, 0)

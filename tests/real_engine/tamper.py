@@ -56,7 +56,9 @@ class Tamper:
         assert self.session is not None
         data = await request.read()
         headers = {
-            k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-request-id", "authorization")
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("content-type", "x-request-id", "authorization", "traceparent", "tracestate")
         }
         timeout = aiohttp.ClientTimeout(total=300)
         async with self.session.request(
