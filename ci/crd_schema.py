@@ -61,7 +61,10 @@ def api_versions() -> list[str]:
 
 
 def is_custom_resource(doc: dict[str, Any]) -> bool:
-    """Not a built-in kind: its API group has a dot and is not one of Kubernetes' *.k8s.io groups."""
+    """Not a built-in kind: one of ci/crds/ (the Gateway API's group is a *.k8s.io one, served by
+    CRDs all the same), or an API group with a dot that is not one of Kubernetes' *.k8s.io groups."""
+    if (doc.get("apiVersion"), doc.get("kind")) in schemas():
+        return True
     group = str(doc.get("apiVersion", "")).rpartition("/")[0]
     return "." in group and not group.endswith(".k8s.io")
 

@@ -483,6 +483,54 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         " metadata: {value: '80'}}], keda: {fallback: {replicas: 1}}}\n",
         ("decode.autoscaling.keda.fallback.replicas", "neither cpu nor memory"),
     ),
+    # tracing and the Gateway API (issue 25)
+    "tracing_grpc_endpoint_with_a_path": (
+        "tracing:\n  endpoint: http://collector:4317/v1/traces\n",
+        ("tracing.endpoint", "gRPC"),
+    ),
+    "tracing_grpc_over_tls_to_the_engines": (
+        "tracing:\n  endpoint: https://collector:4317\n",
+        ("tracing.endpoint", "plaintext", "http/protobuf"),
+    ),
+    "tracing_endpoint_not_a_url": ("tracing:\n  endpoint: collector:4317\n", ("/tracing/endpoint",)),
+    "tracing_ratio_above_one": (
+        "tracing:\n  endpoint: http://c:4317\n  samplingRatio: 2\n",
+        ("/tracing/samplingRatio",),
+    ),
+    "tracing_protocol_unknown": ("tracing:\n  protocol: http/json\n", ("/tracing/protocol",)),
+    "tracing_detail_without_engine_traces": (
+        "tracing:\n  endpoint: http://c:4317\n  engines: {enabled: false, detailedTraces: model}\n",
+        ("tracing.engines.detailedTraces",),
+    ),
+    "tracing_detail_unknown": (
+        "tracing:\n  endpoint: http://c:4317\n  engines: {detailedTraces: gpu}\n",
+        ("/tracing/engines/detailedTraces",),
+    ),
+    "tracing_egress_without_a_peer": (
+        "tracing:\n  endpoint: http://c:4317\nnetworkPolicy:\n  egress: {enabled: true}\n",
+        ("networkPolicy.egress.tracingTo",),
+    ),
+    "http_route_without_a_gateway": (
+        "router:\n  httpRoute: {enabled: true}\n",
+        ("router.httpRoute.parentRefs",),
+    ),
+    "http_route_backend_timeout_above_request": (
+        "router:\n  httpRoute: {enabled: true, parentRefs: [{name: gw}],"
+        " timeouts: {request: 1h, backendRequest: 61m}}\n",
+        ("router.httpRoute.timeouts.backendRequest", "61m"),
+    ),
+    "http_route_timeout_not_a_duration": (
+        "router:\n  httpRoute: {enabled: true, parentRefs: [{name: gw}], timeouts: {request: 1 hour}}\n",
+        ("/router/httpRoute/timeouts/request",),
+    ),
+    "http_route_parent_without_a_name": (
+        "router:\n  httpRoute: {enabled: true, parentRefs: [{namespace: gw}]}\n",
+        ("/router/httpRoute/parentRefs/0", "name"),
+    ),
+    "ingress_path_type_unknown": (
+        "router:\n  ingress: {enabled: true, paths: [{path: /v1, pathType: Glob}]}\n",
+        ("/router/ingress/paths/0/pathType",),
+    ),
 }
 
 # The same, layered over tests/values/lmcache.yaml (LMCache PD with a full-attention model): the

@@ -321,6 +321,11 @@ CUSTOM_KINDS = {
          "metrics.prometheusUrl=http://prometheus:9090", "metrics.podMonitor.enabled=true"),
         "decode.autoscaling.kind",
     ),
+    "HTTPRoute": (
+        "gateway.networking.k8s.io/v1/HTTPRoute",
+        ("router.httpRoute.enabled=true", "router.httpRoute.parentRefs[0].name=gw"),
+        "router.httpRoute.enabled",
+    ),
 }  # fmt: skip
 
 

@@ -229,3 +229,97 @@ def test_the_chart_refuses_exactly_the_names_the_api_server_refuses(cluster: Con
         if chart.returncode != 0:
             assert f"/prefill/{field}" in chart.stderr, chart.stderr
     assert not disagree, disagree
+
+
+# --- tracing and the Gateway API (issue 25): tests/values/tracing-gateway.yaml -------------------
+
+TRACED = "scenario:tracing-gateway"
+
+
+def test_tracing_and_gateway_objects_pass_strict_server_side_validation(cluster: ControlPlane) -> None:
+    """Every object of the tracing and Gateway API values file as the API server keeps it, the
+    HTTPRoute against the Gateway API's CRDs (its CEL rules included) and attached to a Gateway
+    that exists; no Gateway controller runs here, so nobody accepts the route in its status
+    (what a controller writes there is the controller's, not the chart's)."""
+    from tests import cases
+
+    ns = "traced-gateway"
+    cluster.apply([fleet.namespace(ns, POD_SECURITY["defaults"]), fleet.namespace("gateways", "restricted")])
+    cluster.apply(
+        [
+            {
+                "apiVersion": "gateway.networking.k8s.io/v1",
+                "kind": "GatewayClass",
+                "metadata": {"name": "inference"},
+                "spec": {"controllerName": "example.com/gateway-controller"},
+            },
+            {
+                "apiVersion": "gateway.networking.k8s.io/v1",
+                "kind": "Gateway",
+                "metadata": {"name": "inference", "namespace": "gateways"},
+                "spec": {
+                    "gatewayClassName": "inference",
+                    "listeners": [
+                        {
+                            "name": "https",
+                            "protocol": "HTTPS",
+                            "port": 443,
+                            "hostname": "llm.example.com",
+                            "tls": {"certificateRefs": [{"name": "llm-example-tls"}]},
+                            "allowedRoutes": {"namespaces": {"from": "All"}},
+                        }
+                    ],
+                },
+            },
+        ]
+    )
+    docs = helm.render(helm.helm_binaries()[0], cases.LAYERINGS[TRACED], namespace=ns)
+    served = {(d["kind"], d["metadata"]["name"]): d for d in _served(cluster, docs)}
+    route = served[("HTTPRoute", "pd-pd-inference-router")]
+    (rule,) = route["spec"]["rules"]
+    assert rule["timeouts"] == {"request": "2h", "backendRequest": "90m"}  # standard channel: kept
+    assert rule["backendRefs"][0]["name"] == "pd-pd-inference-router"
+    assert route["spec"]["parentRefs"][0]["sectionName"] == "https"
+    cluster.apply([d for d in docs if d["kind"] == "HTTPRoute"])  # stored, not only dry-run
+    ingress = served[("Ingress", "pd-pd-inference-router")]
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"]["number"] == 8000
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    for component in ("prefill", "decode"):
+        (pod,) = _served(cluster, [rendered.pod_of(workloads[f"pd-pd-inference-{component}"], ns)])
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"]["valueFrom"]["secretKeyRef"]["name"] == "otlp-headers"
+
+
+# Gateway API durations on both sides of the rule that a try may not outlast the request
+# (HTTPRouteRule timeouts, CEL in the v1.6.3 CRD); 0s turns a timeout off.
+TIMEOUTS = [
+    ("1h", "1h"),
+    ("0s", "5h"),
+    ("1h", "0s"),
+    ("90m", "1h30m1s"),
+    ("1h", "3601s"),
+    ("500ms", "1s"),
+    ("2h", "119m59s"),
+]
+
+
+def test_the_chart_refuses_exactly_the_route_timeouts_the_api_server_refuses(cluster: ControlPlane) -> None:
+    ns = "route-timeouts"
+    cluster.apply([fleet.namespace(ns, "restricted")])
+    disagree = []
+    for request, backend in TIMEOUTS:
+        sets = (
+            "router.httpRoute.enabled=true",
+            "router.httpRoute.parentRefs[0].name=gw",
+            f"router.httpRoute.timeouts.request={request}",
+            f"router.httpRoute.timeouts.backendRequest={backend}",
+        )
+        chart = helm.template(helm.helm_binaries()[0], sets=sets)
+        ok = helm.template(helm.helm_binaries()[0], sets=(*sets[:2], "router.httpRoute.timeouts.backendRequest=0s"))
+        (route,) = [d for d in ok.docs if d["kind"] == "HTTPRoute"]
+        route["metadata"]["namespace"] = ns
+        route["spec"]["rules"][0]["timeouts"] = {"request": request, "backendRequest": backend}
+        server = cluster.apply([route], "--dry-run=server", check=False)
+        if (chart.returncode == 0) != (server.returncode == 0):
+            disagree.append((request, backend, chart.stderr.strip()[-200:], server.stderr.strip()[-200:]))
+    assert not disagree, disagree

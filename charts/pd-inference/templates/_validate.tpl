@@ -43,6 +43,36 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail (printf "decode.tensorParallelSize: LMCache PD sends one KV shard and one notification per TP rank, so prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d) must be equal" (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
 {{- end -}}
 
+{{- /* Tracing (templates/_tracing.tpl): what its schema cannot say. */ -}}
+{{- $t := $v.tracing -}}
+{{- if and $t.endpoint (eq $t.protocol "grpc") (not (regexMatch "^https?://[^/?#]+/?$" $t.endpoint)) -}}
+{{- fail (printf "tracing.endpoint: %s has a path, which gRPC cannot use: give http(s)://host:port, or set tracing.protocol: http/protobuf for a base URL with a path" $t.endpoint) -}}
+{{- end -}}
+{{- /* vLLM 0.31.0 and 0.33.0 build their gRPC exporter with insecure=True whatever the scheme
+(vllm/tracing/otel.py get_span_exporter), so an https:// gRPC endpoint would get plaintext. */ -}}
+{{- if and (include "pd-inference.tracing.engines" .) (eq $t.protocol "grpc") (hasPrefix "https://" $t.endpoint) -}}
+{{- fail (printf "tracing.endpoint: %s is TLS, but vLLM (%s) exports over gRPC in plaintext whatever the scheme; use tracing.protocol: http/protobuf for a TLS collector, or tracing.engines.enabled: false to trace the router only" $t.endpoint (index .Chart.Annotations "pd-inference.io/checked-vllm" | replace "," ", ")) -}}
+{{- end -}}
+{{- if and $t.engines.detailedTraces (not (include "pd-inference.tracing.engines" .)) -}}
+{{- fail (printf "tracing.engines.detailedTraces: %s needs the engines' traces: set tracing.endpoint and tracing.engines.enabled, or leave it empty" $t.engines.detailedTraces) -}}
+{{- end -}}
+{{- if and (include "pd-inference.tracing.on" .) $v.networkPolicy.enabled $v.networkPolicy.egress.enabled (not $v.networkPolicy.egress.tracingTo) -}}
+{{- fail (printf "networkPolicy.egress.tracingTo: tracing.endpoint %s is set and the egress policies are on, but no peer may receive the spans; name where the collector runs (e.g. its namespace), or turn tracing off" $t.endpoint) -}}
+{{- end -}}
+
+{{- /* Gateway API: a route attached to nothing, and timeouts the API server would refuse. */ -}}
+{{- $route := $v.router.httpRoute -}}
+{{- if $route.enabled -}}
+{{- if not $route.parentRefs -}}
+{{- fail "router.httpRoute.parentRefs: name at least one Gateway the route attaches to (e.g. [{name: inference, namespace: gateways}])" -}}
+{{- end -}}
+{{- $request := include "pd-inference.gatewayDurationMs" $route.timeouts.request | int64 -}}
+{{- $backend := include "pd-inference.gatewayDurationMs" $route.timeouts.backendRequest | int64 -}}
+{{- if and (gt $request 0) (gt $backend $request) -}}
+{{- fail (printf "router.httpRoute.timeouts.backendRequest: %s is longer than timeouts.request %s (the Gateway API refuses it)" $route.timeouts.backendRequest $route.timeouts.request) -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* KV buffer large enough for one max-length request (pd-protocols.md section 4). */ -}}
 {{- $shape := $v.model.kvShape -}}
 {{- if gt (int $shape.layers) 0 -}}
@@ -211,6 +241,10 @@ accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "shutdown-timeout" (printf "%s.drainSeconds" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
 {{- if $v.engine.kvEvents.enabled -}}
 {{- $_ := set $flags "kv-events-config" "engine.kvEvents.enabled" -}}
+{{- end -}}
+{{- if include "pd-inference.tracing.engines" $ -}}
+{{- $_ := set $flags "otlp-traces-endpoint" "tracing.endpoint" -}}
+{{- $_ := set $flags "collect-detailed-traces" "tracing.engines.detailedTraces" -}}
 {{- end -}}
 {{- range $arg := include "pd-inference.engineArgs" (dict "ctx" $ "role" $role) | fromYamlArray -}}
 {{- if hasPrefix "--" $arg -}}
@@ -437,4 +471,15 @@ that switching any of them later cannot collide.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* A Gateway API duration (1h30m, 90s, 500ms) in milliseconds. */}}
+{{- define "pd-inference.gatewayDurationMs" -}}
+{{- $ms := 0 -}}
+{{- range $part := regexFindAll "[0-9]+(ms|h|m|s)" . -1 -}}
+{{- $n := regexFind "^[0-9]+" $part | int64 -}}
+{{- $unit := regexFind "[a-z]+$" $part -}}
+{{- $ms = add $ms (mul $n (get (dict "h" 3600000 "m" 60000 "s" 1000 "ms" 1) $unit)) -}}
+{{- end -}}
+{{- $ms -}}
 {{- end -}}

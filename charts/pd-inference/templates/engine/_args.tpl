@@ -42,6 +42,9 @@ vLLM's block hashes, so any hash algorithm serves it. */}}
 - --kv-events-config
 - {{ include "pd-inference.kvEventsConfig" (dict "ctx" .ctx "role" .role) | toJson }}
 {{- end }}
+{{- with include "pd-inference.tracing.engineArgs" .ctx }}
+{{ . }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -107,5 +110,8 @@ Call with (dict "ctx" $ "role" "prefill").
 {{- if $v.efa.enabled }}
 - name: FI_PROVIDER
   value: efa
+{{- end }}
+{{- with include "pd-inference.tracing.engineEnv" . }}
+{{ . }}
 {{- end }}
 {{- end -}}

@@ -48,6 +48,16 @@ connector, and kvEvents the KV-cache event ports whether or not the engines publ
   "auth" (dict "apiKeysFile" (ternary (printf "%s/%s" (include "pd-inference.routerKeysDir" .) $r.auth.secretKey) "" (not (empty $r.auth.existingSecret))) "protectMetrics" $r.auth.protectMetrics "metricsTokensFile" (ternary (printf "%s/%s" (include "pd-inference.routerMetricsTokenDir" .) $r.auth.metricsTokenSecret.key) "" (not (empty $r.auth.metricsTokenSecret.name))))
   "logging" (dict "level" $r.logLevel "logPrompts" $r.logPrompts)
 -}}
+{{- /* Only when on: a release that does not trace keeps its router config, and so its pods. */ -}}
+{{- if include "pd-inference.tracing.on" . -}}
+{{- $t := $v.tracing -}}
+{{- $_ := set $cfg "tracing" (dict
+  "endpoint" $t.endpoint
+  "protocol" $t.protocol
+  "samplingRatio" $t.samplingRatio
+  "serviceName" (include "pd-inference.componentName" (dict "ctx" . "component" "router"))
+  "headersFile" (ternary (printf "%s/%s" (include "pd-inference.tracing.headersDir" .) $t.headersSecret.key) "" (not (empty $t.headersSecret.name)))) -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
