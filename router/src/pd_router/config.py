@@ -240,8 +240,9 @@ class Tracing:
     endpoint: str = ""
     protocol: Literal["grpc", "http/protobuf"] = "grpc"
     # share of the traces the router starts that are recorded (a client's traceparent decides
-    # for its own: ParentBased(TraceIdRatioBased), the SDK's parentbased_traceidratio)
-    sampling_ratio: float = 0.1
+    # for its own: ParentBased(TraceIdRatioBased), the SDK's parentbased_traceidratio); 1, as the
+    # SDK's own default sampler: every request, which tail sampling in a collector needs
+    sampling_ratio: float = 1.0
     service_name: str = "pd-router"
     # OTLP headers (a backend's API key) from a file, e.g. a mounted Secret:
     # key=value,key2=value2 as OTEL_EXPORTER_OTLP_HEADERS takes them; "" = none

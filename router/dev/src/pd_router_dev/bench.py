@@ -16,7 +16,11 @@ with one engine write per token 5 ms apart, as tokens come from a real engine):
 - our router's LMCache route (``notificationReceiver: prefillSidecar``, the engine answering
   the sidecar's wait at once);
 - our direct route again with ``logging.level: info`` (the default: one JSON access line per
-  request) against ``warning``, which the other rows use, to show what the line costs.
+  request) against ``warning``, which the other rows use, to show what the line costs;
+- our direct and NIXL routes with tracing on (``tracing.samplingRatio`` 1: every request's spans
+  exported over OTLP/gRPC to the real OpenTelemetry Collector, pd_router_dev.otelcol, which
+  drops them), and the NIXL route with tracing on but nothing sampled (ratio 0: only the
+  ``traceparent`` the legs carry), against the same routes with tracing off, the default.
 
 Each router process is pinned to the same CPU set (``--router-cpus``; the engine and the load
 generator get the others), our router started with ``listen.workers`` = that many CPUs. Every
@@ -60,7 +64,15 @@ from typing import Any
 
 import yaml
 
-from pd_router_dev import decision_cost, fastengine, kv_events_cost, mixed, multiturn, profile
+from pd_router_dev import (
+    decision_cost,
+    fastengine,
+    kv_events_cost,
+    mixed,
+    multiturn,
+    otelcol,
+    profile,
+)
 from pd_router_dev.devstack import (
     DEMO_CONFIG,
     Proc,
@@ -164,6 +176,7 @@ class Bench:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engine_url: str = ""
     engine_writes: str = "request"  # fastengine's -flush default
+    collectors: list[Any] = field(default_factory=list)  # otelcol.Collector of the traced rows
 
 
 def _cpu_sets(n_router: int | None) -> tuple[list[int] | None, list[int] | None, str]:
@@ -354,9 +367,46 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
             "warning",
         )
     )
+    if not b.args.no_tracing:
+        _traced_targets(b, st, out, direct_over, nx_pools)
     for t in out:  # every target answers before anything is measured
         _probe(t)
     return out
+
+
+def _traced_targets(
+    b: Bench, st: Stack, out: list[Target], direct_over: dict[str, Any], nx_pools: dict[str, Any]
+) -> None:
+    """Our routes with tracing on, exporting to a real collector on the engine's CPUs."""
+    try:
+        col = otelcol.Collector(st.workdir, "bench-otelcol", keep=False, cpus=b.other_cpus)
+    except RuntimeError as exc:
+        b.notes.append(f"no tracing rows: {exc}")
+        return
+    b.collectors.append(col)
+    nixl_over = {"routing": {"connector": "nixl", "threshold": 0}, "pools": nx_pools}
+    for key, label, route, over, ratio, modes in (
+        (
+            "ours-direct-traced",
+            "ours: direct route, traced",
+            "direct",
+            direct_over,
+            1.0,
+            ("no", "yes"),
+        ),
+        ("ours-nixl-traced", "ours: NIXL route, traced", "nixl", nixl_over, 1.0, ("no", "yes")),
+        (
+            "ours-nixl-unsampled",
+            "ours: NIXL route, tracing on, ratio 0",
+            "nixl",
+            nixl_over,
+            0.0,
+            ("no",),
+        ),
+    ):
+        tracing = {"tracing": {"endpoint": col.grpc, "samplingRatio": ratio}}
+        r, w = _start_ours(b, st, key, {**over, **tracing}, "warning")
+        out.append(Target(key, label, "ours", route, r.url(), r.pid, w, "warning", modes=modes))
 
 
 def _probe(t: Target) -> None:
@@ -714,6 +764,74 @@ def _log_line(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[st
     return lines
 
 
+def _tracing_cost(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[str]:
+    """Tracing on against off (the default), same route, same run: what it costs the router."""
+    pairs = (
+        ("direct", "ours-direct-traced", "ours-direct", "1"),
+        ("NIXL", "ours-nixl-traced", "ours-nixl", "1"),
+        ("NIXL", "ours-nixl-unsampled", "ours-nixl", "0"),
+    )
+    rows = []
+    for route, on_key, off_key, ratio in pairs:
+        for conc in concs:
+            for mode in ("no", "yes"):
+                on, off = by.get((on_key, conc, mode)), by.get((off_key, conc, mode))
+                if not on or not off:
+                    continue
+                con, coff = on.get("cpu_us_per_req"), off.get("cpu_us_per_req")
+                cost = None if con is None or coff is None else con - coff
+                cpu_ratio, rps_ratio = _ratio(con, coff), _ratio(on["rps"], off["rps"])
+                extra.append(
+                    {
+                        "kind": "tracing_cost",
+                        "route": route.lower(),
+                        "sampling_ratio": float(ratio),
+                        "conc": conc,
+                        "mode": mode,
+                        "cpu_us_on": con,
+                        "cpu_us_off": coff,
+                        "cost_us": cost,
+                        "cpu_ratio": cpu_ratio,
+                        "rps_ratio": rps_ratio,
+                    }
+                )
+                rows.append(
+                    _row(
+                        route,
+                        ratio,
+                        conc,
+                        mode,
+                        _f(con, "{:.0f}"),
+                        _f(coff, "{:.0f}"),
+                        _f(cost, "{:+.0f} µs"),
+                        _f(cpu_ratio),
+                        _f(rps_ratio),
+                    )
+                )
+    if not rows:
+        return []
+    return [
+        "",
+        "**What tracing costs the router** (tracing on, every span exported over OTLP/gRPC to "
+        "the OpenTelemetry Collector, against the same route with tracing off, the default; "
+        "sampling ratio 0: on, but no request sampled):",
+        "",
+        _row(
+            "route",
+            "ratio",
+            "clients",
+            "stream",
+            "CPU µs/req on",
+            "off",
+            "tracing costs",
+            "CPU on / off",
+            "req/s on / off",
+        ),
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
 def _mixed_table(rows: list[dict[str, Any]]) -> list[str]:
     spec = mixed.Spec(**rows[0]["spec"])
     head = (
@@ -895,6 +1013,7 @@ def render(
         lines += _peer_ratios(concs, by, extra)
         lines += _lmcache_vs_nixl(concs, by, extra)
         lines += _log_line(concs, by, extra)
+        lines += _tracing_cost(concs, by, extra)
     if mixed_rows:
         lines += _mixed_table(mixed_rows)
     if multiturn_rows:
@@ -950,6 +1069,8 @@ def _matrix(
                         best["best"] = True
                         say(_progress(best))
         finally:
+            for col in b.collectors:
+                col.stop()
             for pr in b.procs:
                 pr.terminate()
                 try:
@@ -1036,6 +1157,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds py-spy samples each of our routes (default 8)",
     )
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument(
+        "--no-tracing",
+        action="store_true",
+        help="skip the traced rows (tracing on against off; a router without tracing refuses them)",
+    )
     p.add_argument(
         "--out",
         default="bench-results/bench.md",
