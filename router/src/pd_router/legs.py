@@ -131,6 +131,31 @@ def leg_headers(ctx: Ctx, span: Span | None) -> bytes:
     return ctx.trace.headers(ctx.headers, span)
 
 
+class LegSpan:
+    """``with LegSpan(ctx, name, ep, path) as span:`` an engine call's CLIENT span (None when
+    not traced), ended as the block ends: with the fallback's reason, or ``tokenize_error``,
+    when one of those ends it; a cancelled call's ends with the request."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, ctx: Ctx, name: str, ep: Endpoint, path: str) -> None:
+        self.span = leg_span(ctx, name, ep, path)
+
+    def __enter__(self) -> Span | None:
+        return self.span
+
+    def __exit__(self, etype: Any, exc: BaseException | None, tb: Any) -> None:
+        span = self.span
+        if span is None:
+            return
+        if exc is None:
+            Trace.end(span)
+        elif isinstance(exc, Fallback):
+            Trace.end(span, exc.reason)
+        elif isinstance(exc, TokenizeError):
+            Trace.end(span, "tokenize_error")
+
+
 JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
@@ -330,63 +355,45 @@ class Legs:
         of a request the client never sent), so a decoder answers the client's own
         (``prefill_refused``). ``report_success``: off where the hand-off has more to prove
         (LMCache: its notification)."""
-        span = leg_span(ctx, "prefill", ep, path)
-        try:
-            answer = await self._prefill(ctx, ep, path, body, ntok, span, report_success)
-        except Fallback as fb:
+        with LegSpan(ctx, "prefill", ep, path) as span:
+            lease = Lease(ep, ntok)
+            ps = self.t.prefill_seconds
+            try:
+                # headers within prefillSeconds, then no gap longer than prefillSeconds
+                r = await self.up.post(
+                    ep.host,
+                    ep.port,
+                    ep.tls,
+                    path,
+                    orjson.dumps(body),
+                    leg_headers(ctx, span),
+                    ps,
+                    ps,
+                    lease.release,
+                )
+                raw = await r.read_release()
+            except UPSTREAM_ERRORS as exc:
+                raise self.prefill_broken(ep, LegError.of(exc)) from None
+            status = r.status
             if span is not None:
-                Trace.end(span, fb.reason)
-            raise
-        if span is not None:
-            Trace.end(span)
-        return answer
-
-    async def _prefill(
-        self,
-        ctx: Ctx,
-        ep: Endpoint,
-        path: str,
-        body: dict[str, Any],
-        ntok: int,
-        span: Span | None,
-        report_success: bool,
-    ) -> Any:
-        lease = Lease(ep, ntok)
-        ps = self.t.prefill_seconds
-        try:
-            # headers within prefillSeconds, then no gap longer than prefillSeconds
-            r = await self.up.post(
-                ep.host,
-                ep.port,
-                ep.tls,
-                path,
-                orjson.dumps(body),
-                leg_headers(ctx, span),
-                ps,
-                ps,
-                lease.release,
-            )
-            raw = await r.read_release()
-        except UPSTREAM_ERRORS as exc:
-            raise self.prefill_broken(ep, LegError.of(exc)) from None
-        status = r.status
-        if span is not None:
-            span.attrs["http.response.status_code"] = status
-        if revision.is_refusal(status, body, self.served):
-            self.outcomes.upstream("prefill", "revision")
-            self.prefill_pool.relearn(ep)  # it runs other bits than it said: ask it again
-            raise Fallback("no_revision_pair")
-        if 400 <= status < 500:
-            raise Fallback("prefill_refused")
-        if status != 200:
-            raise self.prefill_broken(ep, LegError("5xx" if status >= 500 else "bad_response", 502))
-        try:
-            answer = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise self.prefill_broken(ep, LegError("bad_response", 502)) from None
-        if report_success:
-            self.prefill_pool.report_success(ep)
-        return answer
+                span.attrs["http.response.status_code"] = status
+            if revision.is_refusal(status, body, self.served):
+                self.outcomes.upstream("prefill", "revision")
+                self.prefill_pool.relearn(ep)  # it runs other bits than it said: ask it again
+                raise Fallback("no_revision_pair")
+            if 400 <= status < 500:
+                raise Fallback("prefill_refused")
+            if status != 200:
+                raise self.prefill_broken(
+                    ep, LegError("5xx" if status >= 500 else "bad_response", 502)
+                )
+            try:
+                answer = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise self.prefill_broken(ep, LegError("bad_response", 502)) from None
+            if report_success:
+                self.prefill_pool.report_success(ep)
+            return answer
 
     def prefill_broken(self, ep: Endpoint, err: LegError) -> Fallback:
         """Count a broken prefill leg against its prefiller; the fallback to raise."""
@@ -400,39 +407,28 @@ class Legs:
         ``TokenizeChatRequest``/``TokenizeCompletionRequest`` -> ``{count, max_model_len,
         tokens}``); learns ``max_model_len``. Raises :class:`TokenizeError`."""
         req = orjson.dumps(tokenize_request(body, chat, self.served))
-        span = leg_span(ctx, "tokenize", ep, "/tokenize")
-        try:
-            toks = await self._tokenize(ctx, ep, req, span)
-        except TokenizeError:
-            if span is not None:
-                Trace.end(span, "tokenize_error")
-            raise
-        if span is not None:
-            Trace.end(span)
-        return toks
-
-    async def _tokenize(self, ctx: Ctx, ep: Endpoint, req: bytes, span: Span | None) -> list[int]:
-        t = self.t_tokenize
-        try:  # not leased: counting is not load the balancer should weigh
-            async with asyncio.timeout(t):
-                resp = await self.up.post(
-                    ep.host, ep.port, ep.tls, "/tokenize", req, leg_headers(ctx, span), t, t
-                )
-                data = await resp.read_release()
-            if resp.status != 200:
-                raise TokenizeError(f"/tokenize answered {resp.status}")
-            out = orjson.loads(data)
-            toks = out["tokens"]
-            mml = out.get("max_model_len")
-        except UPSTREAM_ERRORS as exc:
-            raise TokenizeError(f"/tokenize failed: {exc!r}") from None
-        except (ValueError, KeyError, TypeError) as exc:  # orjson's error is a ValueError
-            raise TokenizeError(f"/tokenize gave an unreadable answer: {exc!r}") from None
-        if not isinstance(toks, list):
-            raise TokenizeError("/tokenize returned no token list")
-        if type(mml) is int and mml > 0:
-            self.max_model_len = mml
-        return toks
+        with LegSpan(ctx, "tokenize", ep, "/tokenize") as span:
+            t = self.t_tokenize
+            try:  # not leased: counting is not load the balancer should weigh
+                async with asyncio.timeout(t):
+                    resp = await self.up.post(
+                        ep.host, ep.port, ep.tls, "/tokenize", req, leg_headers(ctx, span), t, t
+                    )
+                    data = await resp.read_release()
+                if resp.status != 200:
+                    raise TokenizeError(f"/tokenize answered {resp.status}")
+                out = orjson.loads(data)
+                toks = out["tokens"]
+                mml = out.get("max_model_len")
+            except UPSTREAM_ERRORS as exc:
+                raise TokenizeError(f"/tokenize failed: {exc!r}") from None
+            except (ValueError, KeyError, TypeError) as exc:  # orjson's error is a ValueError
+                raise TokenizeError(f"/tokenize gave an unreadable answer: {exc!r}") from None
+            if not isinstance(toks, list):
+                raise TokenizeError("/tokenize returned no token list")
+            if type(mml) is int and mml > 0:
+                self.max_model_len = mml
+            return toks
 
     # ------------------------------------------------------------------ to the client
     def fail(self, ctx: Ctx, down: Downstream, err: LegError) -> Answer:

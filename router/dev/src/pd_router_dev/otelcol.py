@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_router_dev.devstack import free_port, pinned
+from pd_router_dev.devstack import Proc, free_port, pinned
 
 READY_SECONDS = 60
 
@@ -82,7 +82,7 @@ class Collector:
         cfg_path = workdir / f"{name}.yaml"
         cfg_path.write_text(json.dumps(cfg))  # YAML is a superset of JSON
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
+            popen = subprocess.Popen(
                 [str(exe), "--config", str(cfg_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -90,6 +90,7 @@ class Collector:
                 start_new_session=True,
                 preexec_fn=pinned(cpus),  # noqa: PLW1509 - sched_setaffinity only
             )
+        self.proc = Proc(name, popen, self.log, gport)
         self._wait_listening(gport, hport)
 
     def _wait_listening(self, *ports: int) -> None:
@@ -100,9 +101,9 @@ class Collector:
                     socket.create_connection(("127.0.0.1", port), timeout=1).close()
                     break
                 except OSError:
-                    if self.proc.poll() is not None or time.monotonic() > end:
+                    if self.proc.popen.poll() is not None or time.monotonic() > end:
                         self.stop()
-                        tail = self.log.read_text(errors="replace")[-2000:]
+                        tail = self.proc.log_tail(2000)
                         raise RuntimeError(
                             f"the collector did not listen on {port}: {tail}"
                         ) from None
@@ -150,13 +151,7 @@ class Collector:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.proc.stop()
 
 
 def _attrs(kvs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -175,14 +170,3 @@ def _attrs(kvs: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[kv["key"]] = v
     return out
-
-
-def tree(spans: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """Parent span name -> its children's names (sorted), by span ids: how a trace nests."""
-    by_id = {s["spanId"]: s for s in spans}
-    out: dict[str, list[str]] = {}
-    for s in spans:
-        parent = by_id.get(s.get("parentSpanId", ""))
-        key = f"{parent['service']}:{parent['name']}" if parent else "<root>"
-        out.setdefault(key, []).append(f"{s['service']}:{s['name']}")
-    return {k: sorted(v) for k, v in out.items()}
