@@ -34,6 +34,7 @@ LAST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ours = []
     for item in items:
@@ -45,6 +46,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order = sorted(ours, key=lambda it: rank.get(Path(str(it.fspath)).name, 0))  # stable
     slots = iter(order)
     items[:] = [next(slots) if it in ours else it for it in items]
+
+
+@pytest.fixture(autouse=True)
+def _one_worker(request: pytest.FixtureRequest) -> None:
+    """Under ``--dist loadgroup`` pytest-xdist renames each grouped item ``<id>@real-vllm``; a
+    pytest that ignores the rename (9.2 with xdist 3.8) would run two engine pairs at once."""
+    if request.config.getoption("dist", "no") == "loadgroup":
+        assert request.node.nodeid.endswith("@real-vllm"), (
+            f"{request.node.nodeid} is not in xdist group real-vllm: the real-engine tier would "
+            "run on both workers at once (see requirements-dev.txt's pytest pin)"
+        )
 
 
 @pytest.fixture(scope="session")
