@@ -17,9 +17,35 @@ def pod_spec(docs: Docs, kind: str, suffix: str) -> dict[str, Any]:
     return helm.one(docs, kind, suffix)["spec"]["template"]["spec"]
 
 
+# The label LeaderWorkerSet (v0.9.0) gives each pod of a group by its place: 0 is the leader.
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+def engine_templates(docs: Docs, role: str) -> dict[str, dict[str, Any]]:
+    """A role's engine pod templates by member: {"single": ...} from its StatefulSet, or
+    {"leader": ..., "worker": ...} from its LeaderWorkerSet (<role>.nodes > 1), their labels with
+    the worker-index the LWS controller adds to each pod (so selectors can be checked)."""
+    groups = helm.find(docs, "LeaderWorkerSet", f"-{role}-lws")
+    if not groups:
+        return {"single": helm.one(docs, "StatefulSet", f"-{role}")["spec"]["template"]}
+    lwt = groups[0]["spec"]["leaderWorkerTemplate"]
+    out = {}
+    for member, key, index in (("leader", "leaderTemplate", "0"), ("worker", "workerTemplate", "1")):
+        template = json.loads(json.dumps(lwt[key]))
+        template["metadata"]["labels"][LWS_WORKER_INDEX] = index
+        out[member] = template
+    return out
+
+
+def serving_template(docs: Docs, role: str) -> dict[str, Any]:
+    """The pod template of the pods that serve a role's API: the StatefulSet's, or the leaders'."""
+    templates = engine_templates(docs, role)
+    return templates.get("single") or templates["leader"]
+
+
 def container(docs: Docs, role: str) -> dict[str, Any]:
-    """The engine container of a role ("prefill" or "decode")."""
-    return pod_spec(docs, "StatefulSet", f"-{role}")["containers"][0]
+    """The engine container of a role ("prefill" or "decode"), of the pods that serve its API."""
+    return serving_template(docs, role)["spec"]["containers"][0]
 
 
 def kv_transfer_config(docs: Docs, role: str) -> dict[str, Any]:

@@ -166,6 +166,35 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "model:\n  kvShape: {layers: 32, kvHeads: 8, headDim: 128, bytesPerElement: 2}\ndecode:\n  tensorParallelSize: 6\n",
         ("decode.tensorParallelSize", "model.kvShape.kvHeads (8)"),
     ),
+    # --- issue 26: multi-node engines (templates/engine/_multinode.tpl) ---
+    "nodes_above_the_schemas_limit": ("decode:\n  nodes: 17\n", ("/decode/nodes",)),
+    "nodes_that_cannot_share_the_gpus": ("decode:\n  nodes: 2\n", ("decode.nodes", "cannot share the engine's 1 GPUs")),
+    "data_parallel_ranks_not_split_over_the_nodes": (
+        "engine:\n  kvEvents:\n    enabled: false\ndecode:\n  nodes: 2\n  tensorParallelSize: 2\n  dataParallelSize: 3\n",
+        ("decode.dataParallelSize", "do not split evenly over decode.nodes (2)"),
+    ),
+    "group_topology_for_a_one_node_engine": (
+        "prefill:\n  groupTopologyKey: topology.k8s.aws/network-node-layer-3\n",
+        ("prefill.groupTopologyKey", "prefill.nodes is 1"),
+    ),
+    "group_topology_key_not_a_label_key": (
+        "prefill:\n  nodes: 2\n  tensorParallelSize: 2\n  groupTopologyKey: not a key\n",
+        ("/prefill/groupTopologyKey",),
+    ),
+    "kv_events_with_data_parallel_ranks": (
+        "decode:\n  dataParallelSize: 2\n",
+        ("engine.kvEvents.enabled", "decode.dataParallelSize 2"),
+    ),
+    "multi_node_pods_above_the_instance_types_gpus": (
+        "prefill:\n  instanceType: g6.12xlarge\n  nodes: 2\n  tensorParallelSize: 16\n",
+        ("prefill.nodes", "8 GPUs per pod", "g6.12xlarge has 4"),
+    ),
+    "extra_args_repeat_nnodes": ("decode:\n  extraArgs: ['--nnodes=2']\n", ("decode.extraArgs", "decode.nodes")),
+    "extra_args_repeat_headless": ("prefill:\n  extraArgs: ['--headless']\n", ("prefill.extraArgs", "prefill.nodes")),
+    "extra_args_repeat_dp_short_form": (
+        "decode:\n  extraArgs: ['-dp', '2']\n",
+        ("decode.extraArgs", "decode.dataParallelSize"),
+    ),
     "extra_args_repeat_tensor_parallel_size": (
         "prefill:\n  extraArgs: ['--tensor-parallel-size=2']\n",
         ("prefill.extraArgs", "prefill.tensorParallelSize"),
@@ -568,6 +597,14 @@ BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "decode:\n  env: [{name: LMCACHE_CONFIG_FILE, value: /tmp/x.yaml}]\n",
         ("decode.env", "LMCACHE_CONFIG_FILE"),
     ),
+    "multi_node_engines_with_lmcache": (
+        "prefill:\n  nodes: 2\n  tensorParallelSize: 2\ndecode:\n  tensorParallelSize: 2\n",
+        ("prefill.nodes", "lmcache serves one-node engines"),
+    ),
+    "data_parallel_engines_with_lmcache": (
+        "engine:\n  kvEvents:\n    enabled: false\ndecode:\n  dataParallelSize: 2\n",
+        ("decode.dataParallelSize", "lmcache serves one-node engines"),
+    ),
     "chart_owned_save_unfull_chunk": (
         "kvTransfer:\n  lmcache:\n    extraConfig:\n      save_unfull_chunk: false\n",
         ("/kvTransfer/lmcache/extraConfig", "save_unfull_chunk"),
@@ -607,6 +644,18 @@ def test_lmcache_only_rules_do_not_fire_on_nixl(h4: Path, case: str) -> None:
     content, _ = BAD_LMCACHE_VALUES[case]
     result = helm.template(h4, values_yaml=content)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_release_name_too_long_for_the_worker_statefulsets_is_refused(h4: Path) -> None:
+    """A multi-node role's LeaderWorkerSet <prefix>-prefill-lws makes worker StatefulSets
+    <lws>-<group> whose pods' controller-revision-hash <sts>-<hash> must fit 63 characters: a
+    shorter prefix than a StatefulSet's 44."""
+    sets = ("prefill.nodes=2", "prefill.tensorParallelSize=2")
+    result = helm.template(h4, sets=sets, release="r" * 26)  # prefix 39: 39 + 12 + 2 + 11 = 64
+    assert result.returncode != 0 and "prefill.nodes" in result.stderr and "64 characters" in result.stderr, (
+        result.stderr
+    )
+    assert helm.template(h4, sets=sets, release="r" * 25).returncode == 0
 
 
 # The negative controls of the issue 22 rules: values next to the refused ones that render.
@@ -650,6 +699,19 @@ GOOD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "efa_with_a_cpu_nixl_buffer": (
         (),
         "efa:\n  enabled: true\n  devices: 1\nkvTransfer:\n  nixl:\n    bufferDevice: cpu\n",
+    ),
+    # issue 26: a two-node engine of tensor parallelism 16 on p5 (8 GPUs a pod), and data +
+    # expert parallel over two nodes with the KV events off
+    "tensor_parallel_over_two_p5_nodes": (
+        (),
+        "model:\n  attention: full\n  kvShape: {layers: 126, kvHeads: 8, headDim: 128, bytesPerElement: 2}\n"
+        "decode:\n  instanceType: p5.48xlarge\n  nodes: 2\n  tensorParallelSize: 16\n",
+    ),
+    "data_and_expert_parallel_over_two_nodes": (
+        (),
+        "engine:\n  kvEvents:\n    enabled: false\n"
+        "decode:\n  instanceType: p5.48xlarge\n  nodes: 2\n  dataParallelSize: 16\n  expertParallel: true\n"
+        "  groupTopologyKey: topology.k8s.aws/network-node-layer-3\n",
     ),
     "efa_with_a_cpu_lmcache_buffer": (
         (LMCACHE,),

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests import helm
+from tests import helm, manifests
 from tests.cases import LAYERINGS, LMCACHE
 from tests.manifests import container, container_ports, lmcache_config, policy_ports, router_config, service_ports
 
@@ -78,11 +78,12 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def _pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    pods = {
-        d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["metadata"]["labels"]
-        for d in docs
-        if d["kind"] in ("Deployment", "StatefulSet")
-    }
+    """Each component's pod labels: the router's, each role's serving pods' (a multi-node role's
+    leaders; its workers as "<role>-worker"), the helm test pod's."""
+    pods = {"router": helm.one(docs, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]}
+    for role in ("prefill", "decode"):
+        for member, template in manifests.engine_templates(docs, role).items():
+            pods[role if member != "worker" else f"{role}-worker"] = template["metadata"]["labels"]
     pods["helm-test"] = helm.one(docs, "Pod", "-helm-test")["metadata"]["labels"]
     return pods
 
@@ -94,7 +95,7 @@ def test_network_policies_select_the_pods_they_protect(h4: Path, name: str) -> N
     for component in ("router", "prefill", "decode"):
         policy = helm.one(docs, "NetworkPolicy", f"-{component}")
         selected = {c for c, labels in pods.items() if _selects(policy["spec"]["podSelector"], labels)}
-        assert selected == {component}
+        assert selected == {c for c in pods if c.removesuffix("-worker") == component}  # a group's workers too
         # Every workload Service selects exactly its own pods.
         svc = helm.one(docs, "Service", f"-{component}")
         assert {c for c, labels in pods.items() if _selects({"matchLabels": svc["spec"]["selector"]}, labels)} == {
@@ -324,8 +325,10 @@ def test_every_declared_port_is_in_the_service_or_policy_it_belongs_to(h4: Path)
     for name, files in LAYERINGS.items():
         docs = helm.render(h4, files, sets=("networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prom",))
         for component in ("router", "prefill", "decode"):
-            kind = "Deployment" if component == "router" else "StatefulSet"
-            pod = helm.one(docs, kind, f"-{component}")["spec"]["template"]["spec"]
+            if component == "router":
+                pod = helm.one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+            else:
+                pod = manifests.serving_template(docs, component)["spec"]
             declared = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
             for port in helm.one(docs, "Service", f"-{component}")["spec"]["ports"]:
                 assert port["targetPort"] in declared, (name, component, port)

@@ -321,6 +321,11 @@ CUSTOM_KINDS = {
          "metrics.prometheusUrl=http://prometheus:9090", "metrics.podMonitor.enabled=true"),
         "decode.autoscaling.kind",
     ),
+    "LeaderWorkerSet": (
+        "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet",
+        ("decode.nodes=2", "decode.tensorParallelSize=2"),
+        "decode.nodes",
+    ),
     "HTTPRoute": (
         "gateway.networking.k8s.io/v1/HTTPRoute",
         ("router.httpRoute.enabled=true", "router.httpRoute.parentRefs[0].name=gw"),

@@ -69,6 +69,12 @@ mode, and _validate.tpl checks both connectors, with the metrics proxy and the K
 {{- end -}}
 {{- if not $lmcache -}}
 {{- $p = append $p (dict "name" "nixl-side" "port" (int $v.ports.nixlSideChannel) "field" "ports.nixlSideChannel" "container" "vllm" "service" true "from" (list $other) "doc" "vLLM NixlConnector side channel (handshake metadata), from the other role.") -}}
+{{- $dp := int ((get $v $c).dataParallelSize | default 1) -}}
+{{- if gt $dp 1 -}}
+{{- /* Data-parallel rank i's side channel listens on ports.nixlSideChannel + i, on the pod that runs it
+(vLLM 0.31.0 / 0.33.0, nixl/base_scheduler.py); the router reaches only the API, so only the range's rule. */ -}}
+{{- $p = append $p (dict "name" "nixl-side-dp" "port" (add $v.ports.nixlSideChannel 1) "endPort" (add $v.ports.nixlSideChannel (sub $dp 1)) "field" "ports.nixlSideChannel" "container" "" "service" false "from" (list $other) "doc" "The side channels of data-parallel ranks 1 and up (ports.nixlSideChannel + rank), from the other role.") -}}
+{{- end -}}
 {{- end -}}
 {{- if and $v.networkPolicy.allowEphemeralKvPorts (eq (include "pd-inference.nixlBackend" .ctx) "UCX") -}}
 {{- $p = append $p (dict "name" "ucx-tcp" "port" 1024 "endPort" 65535 "field" "networkPolicy.allowEphemeralKvPorts" "container" "" "service" false "from" (list $other) "doc" "UCX over TCP moves KV on ephemeral ports; only the other role may use them. (Not with EFA:\nLIBFABRIC's RDMA bypasses the kernel and needs no rule.)") -}}

@@ -239,6 +239,11 @@ definition carries the quantity pattern (ci/chartdoc.py QUANTITY_PATTERN). */ -}
 {{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
 accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "shutdown-timeout" (printf "%s.drainSeconds" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
+{{- range $flag := list "nnodes" "node-rank" "master-addr" "headless" -}}
+{{- $_ := set $flags $flag (printf "%s.nodes" $role) -}}
+{{- end -}}
+{{- $_ := set $flags "data-parallel-size" (printf "%s.dataParallelSize" $role) -}}
+{{- $_ := set $flags "enable-expert-parallel" (printf "%s.expertParallel" $role) -}}
 {{- if $v.engine.kvEvents.enabled -}}
 {{- $_ := set $flags "kv-events-config" "engine.kvEvents.enabled" -}}
 {{- end -}}
@@ -258,6 +263,7 @@ accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- if hasPrefix "-" (toString $arg) -}}
 {{- $n := replace "_" "-" (trimPrefix "-" (trimPrefix "-" (first (splitList "=" (toString $arg))))) -}}
 {{- $n = ternary "tensor-parallel-size" $n (eq $n "tp") -}}
+{{- $n = get (dict "dp" "data-parallel-size" "ep" "enable-expert-parallel" "n" "nnodes" "r" "node-rank") $n | default $n -}}
 {{- /* KV-cache events: vLLM's parser takes the last --kv-events-config (a dotted
 --kv-events-config.topic=x becomes one too), and without prefix caching vLLM stores no block
 to publish; either way the router would subscribe to nothing. */ -}}
@@ -297,10 +303,41 @@ vLLM's drain, or the requests it is finishing die with it. */ -}}
 {{- if and (gt $heads 0) (ne (mod $heads $tp) 0) (ne (mod $tp $heads) 0) -}}
 {{- fail (printf "%s.tensorParallelSize: %d neither divides model.kvShape.kvHeads (%d) nor is a multiple of it; vLLM cannot shard the KV heads" $role $tp $heads) -}}
 {{- end -}}
+{{- /* Multi-node and data-parallel engines (engine/_multinode.tpl, engine/_args.tpl). */ -}}
+{{- $nodes := int $r.nodes -}}
+{{- $dp := int $r.dataParallelSize -}}
+{{- $gpus := mul (int $r.tensorParallelSize) $dp -}}
+{{- if and $lmcache (or (gt $nodes 1) (gt $dp 1)) -}}
+{{- fail (printf "%s: kvTransfer.connector lmcache serves one-node engines of one data-parallel rank: LMCache PD's config names one decoder host per engine with one receiver port per TP rank (vLLM ranks on other pods, or other DP ranks, are not addressed); use kvTransfer.connector: nixl" (ternary (printf "%s.nodes" $role) (printf "%s.dataParallelSize" $role) (gt $nodes 1))) -}}
+{{- end -}}
+{{- if ne (mod $gpus $nodes) 0 -}}
+{{- fail (printf "%s.nodes: %d nodes cannot share the engine's %d GPUs (tensorParallelSize %d x dataParallelSize %d) evenly; vLLM splits its world size evenly over --nnodes" $role $nodes $gpus (int $r.tensorParallelSize) $dp) -}}
+{{- end -}}
+{{- if and (gt $nodes 1) (gt $dp 1) (ne (mod $dp $nodes) 0) -}}
+{{- fail (printf "%s.dataParallelSize: %d data-parallel ranks do not split evenly over %s.nodes (%d); each pod runs whole ranks (vLLM infers a node's ranks from --node-rank)" $role $dp $role $nodes) -}}
+{{- end -}}
+{{- if and $r.groupTopologyKey (le $nodes 1) -}}
+{{- fail (printf "%s.groupTopologyKey: places the pods of a multi-node engine's group; %s.nodes is 1" $role $role) -}}
+{{- end -}}
+{{- if and $v.engine.kvEvents.enabled (gt $dp 1) -}}
+{{- fail (printf "engine.kvEvents.enabled: with %s.dataParallelSize %d every rank publishes its own events (ports.kvEvents + rank, on the pod that runs it) and the router subscribes to one port of each Service endpoint; turn the events off (the router then estimates prefixes itself)" $role $dp) -}}
+{{- end -}}
+{{- if gt $nodes 1 -}}
+{{- /* The worker StatefulSet <group>-<index> labels its pods controller-revision-hash <statefulset>-<10-character hash>: within 63. */ -}}
+{{- $groups := max (int $r.replicas) (ternary (int $r.autoscaling.maxReplicas) 0 $r.autoscaling.enabled) 1 -}}
+{{- $longest := add (len (include "pd-inference.engine.groupName" (dict "ctx" $ "role" $role))) 1 (len (toString (sub $groups 1))) 11 -}}
+{{- if gt $longest 63 -}}
+{{- fail (printf "%s.nodes: the LeaderWorkerSet %s's worker pods would carry a controller-revision-hash label of %d characters (at most 63); shorten the release name or fullnameOverride" $role (include "pd-inference.engine.groupName" (dict "ctx" $ "role" $role)) $longest) -}}
+{{- end -}}
+{{- end -}}
 {{- /* Placement that cannot work: more GPUs or EFA devices than the pinned instance type has. */ -}}
 {{- with get $instanceTypes $r.instanceType -}}
-{{- if gt (int $r.tensorParallelSize) (int .gpus) -}}
-{{- fail (printf "%s.tensorParallelSize: %d GPUs per pod, but %s.instanceType %s has %d; the pod could never be scheduled" $role (int $r.tensorParallelSize) $role $r.instanceType (int .gpus)) -}}
+{{- $perPod := include "pd-inference.engine.gpusPerPod" $r | int -}}
+{{- if gt $perPod (int .gpus) -}}
+{{- if gt $nodes 1 -}}
+{{- fail (printf "%s.nodes: %d GPUs per pod (tensorParallelSize %d x dataParallelSize %d over %d nodes), but %s.instanceType %s has %d; the pods could never be scheduled" $role $perPod (int $r.tensorParallelSize) $dp $nodes $role $r.instanceType (int .gpus)) -}}
+{{- end -}}
+{{- fail (printf "%s.%s: %d GPUs per pod, but %s.instanceType %s has %d; the pod could never be scheduled (or spread the engine over more %s.nodes)" $role (ternary "tensorParallelSize" "dataParallelSize" (eq $dp 1)) $perPod $role $r.instanceType (int .gpus) $role) -}}
 {{- end -}}
 {{- if and $v.efa.enabled (eq (int .efa) 0) -}}
 {{- fail (printf "efa.enabled: %s.instanceType %s has no EFA; turn EFA off or pick an EFA instance type" $role $r.instanceType) -}}

@@ -45,6 +45,38 @@ vLLM's block hashes, so any hash algorithm serves it. */}}
 {{- with include "pd-inference.tracing.engineArgs" .ctx }}
 {{ . }}
 {{- end }}
+{{- include "pd-inference.engine.parallelArgs" . }}
+{{- end -}}
+
+{{/*
+Data, expert and multi-node parallelism (vLLM 0.31.0 / 0.33.0, engine/arg_utils.py
+create_engine_config): one engine of <role>.nodes pods, vLLM's own multiprocessing launcher, no
+Ray. Every pod runs `vllm serve` with --nnodes and its --node-rank; the leader (rank 0, the
+LeaderWorkerSet's leader) serves the API, the others run --headless. --master-addr is the
+leader's stable DNS name, which LeaderWorkerSet's pod webhook puts in LWS_LEADER_ADDRESS, and
+--node-rank a worker's LWS_WORKER_INDEX (1..nodes-1); Kubernetes expands both $(VAR)s from the
+container's env. vLLM infers each node's data-parallel ranks from --nnodes and --node-rank
+(world size tensorParallelSize x dataParallelSize split evenly over the nodes) and uses
+--master-addr as the data-parallel address. Nothing for a one-node engine of one DP rank.
+*/}}
+{{- define "pd-inference.engine.parallelArgs" -}}
+{{- $r := get .ctx.Values .role -}}
+{{- $nodes := int ($r.nodes | default 1) -}}
+{{- $worker := eq (.member | default "single") "worker" -}}
+{{- if gt (int ($r.dataParallelSize | default 1)) 1 }}
+- --data-parallel-size={{ int $r.dataParallelSize }}
+{{- end }}
+{{- if $r.expertParallel }}
+- --enable-expert-parallel
+{{- end }}
+{{- if gt $nodes 1 }}
+- --nnodes={{ $nodes }}
+- --node-rank={{ ternary "$(LWS_WORKER_INDEX)" "0" $worker }}
+- --master-addr=$(LWS_LEADER_ADDRESS)
+{{- if $worker }}
+- --headless
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -106,6 +138,12 @@ Call with (dict "ctx" $ "role" "prefill").
 # read it, and a hybrid model the chart does not recognise by name still starts.
 - name: VLLM_SSM_CONV_STATE_LAYOUT
   value: DS
+{{- end }}
+{{- if gt (int ((get $v .role).nodes | default 1)) 1 }}
+# A multi-node engine: torch.distributed and vLLM's data-parallel sockets between the group's pods
+# bind and advertise this pod's IP (vLLM picks one itself otherwise, maybe not the pod network's).
+- name: VLLM_HOST_IP
+  value: $(POD_IP)
 {{- end }}
 {{- if $v.efa.enabled }}
 - name: FI_PROVIDER

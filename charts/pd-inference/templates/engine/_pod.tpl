@@ -70,17 +70,17 @@ preStop:
 
 {{/*
 Resources: <role>.resources plus what the chart owns (_validate.tpl refuses them in the values):
-one nvidia.com/gpu per tensor-parallel rank, and with EFA the devices and the huge pages.
+the pod's share of its engine's GPUs (gpusPerPod), and with EFA the devices and the huge pages.
 */}}
 {{- define "pd-inference.engine.resources" -}}
 {{- $v := .ctx.Values -}}
 {{- $r := get $v .role -}}
-{{- $tp := int $r.tensorParallelSize -}}
+{{- $gpus := include "pd-inference.engine.gpusPerPod" $r | int -}}
 {{- $res := deepCopy ($r.resources | default dict) -}}
 {{- $req := get $res "requests" | default dict -}}
 {{- $lim := get $res "limits" | default dict -}}
-{{- $_ := set $req "nvidia.com/gpu" $tp -}}
-{{- $_ := set $lim "nvidia.com/gpu" $tp -}}
+{{- $_ := set $req "nvidia.com/gpu" $gpus -}}
+{{- $_ := set $lim "nvidia.com/gpu" $gpus -}}
 {{- if $v.efa.enabled -}}
 {{- $_ := set $req "vpc.amazonaws.com/efa" (int $v.efa.devices) -}}
 {{- $_ := set $lim "vpc.amazonaws.com/efa" (int $v.efa.devices) -}}
@@ -204,4 +204,25 @@ roles would deadlock: neither could be scheduled first. Empty when none.
 {{- with $v.engine.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* The model-cache claim of modelCache.type pvc, one per engine pod: a StatefulSet's or a LeaderWorkerSet's volumeClaimTemplates. */}}
+{{- define "pd-inference.engine.modelCacheClaims" -}}
+{{- $pvc := .Values.modelCache.pvc -}}
+- metadata:
+    name: model-cache
+  spec:
+    accessModes:
+      {{- toYaml $pvc.accessModes | nindent 6 }}
+    {{- with $pvc.storageClassName }}
+    storageClassName: {{ . }}
+    {{- end }}
+    resources:
+      requests:
+        storage: {{ $pvc.size }}
+{{- end -}}
+
+{{/* GPUs of one engine pod, from a role's values: tensorParallelSize x dataParallelSize over nodes (_validate.tpl refuses a remainder). */}}
+{{- define "pd-inference.engine.gpusPerPod" -}}
+{{- div (mul (int .tensorParallelSize) (int (.dataParallelSize | default 1))) (int (.nodes | default 1)) -}}
 {{- end -}}
