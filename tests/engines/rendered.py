@@ -16,16 +16,29 @@ FORCE_LMCACHE = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.au
 
 
 @functools.cache
+def lmcache_refusal(files: tuple[str, ...], sets: tuple[str, ...] = ()) -> str:
+    """Why the chart refuses this layering on LMCache ("" when it accepts it)."""
+    result = helm.template(helm.helm_binaries()[0], files, sets + FORCE_LMCACHE)
+    return result.stderr if result.returncode != 0 else ""
+
+
 def chart_says_hybrid(files: tuple[str, ...], sets: tuple[str, ...] = ()) -> bool:
     """The chart's own judgement: it refuses this layering on LMCache because the model is hybrid."""
-    result = helm.template(helm.helm_binaries()[0], files, sets + FORCE_LMCACHE)
-    return result.returncode != 0 and "kvTransfer.connector: lmcache cannot serve" in result.stderr
+    return "kvTransfer.connector: lmcache cannot serve" in lmcache_refusal(files, sets)
 
 
-# Every layering switched to LMCache where the chart accepts that (not for a hybrid model), plus
-# the LMCache shapes no environment uses yet: TP 4, the notification sidecar, extraConfig.
+def chart_says_multi_node(files: tuple[str, ...]) -> bool:
+    """... or because its engines span nodes (LMCache PD serves one-node engines only)."""
+    return "kvTransfer.connector lmcache serves one-node engines" in lmcache_refusal(files)
+
+
+# Every layering switched to LMCache where the chart accepts that (not for a hybrid model, nor
+# multi-node engines), plus the LMCache shapes no environment uses yet: TP 4, the notification
+# sidecar, extraConfig.
 LMCACHE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    f"{name} (lmcache)": (files, FORCE_LMCACHE) for name, files in LAYERINGS.items() if not chart_says_hybrid(files)
+    f"{name} (lmcache)": (files, FORCE_LMCACHE)
+    for name, files in LAYERINGS.items()
+    if not chart_says_hybrid(files) and not chart_says_multi_node(files)
 }
 LMCACHE_RENDERS["scenario:lmcache tp4"] = ((LMCACHE,), ("prefill.tensorParallelSize=4", "decode.tensorParallelSize=4"))
 LMCACHE_RENDERS["scenario:lmcache sidecar"] = ((LMCACHE,), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
@@ -52,6 +65,40 @@ REAL_ONLY_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # and both engines export to a collector (its address here a placeholder the tier replaces).
 TRACING_SETS = ("tracing.endpoint=http://otel-collector.observability.svc:4317",)
 REAL_ONLY_RENDERS["env:dev traced"] = (LAYERINGS["env:dev"], TRACING_SETS)
+# Multi-node shapes no values file uses (the Llama 3.1 405B profile is tensor parallel across two
+# nodes): data + expert parallel decode of a mixture-of-experts model across two nodes, and a
+# one-node engine of two data-parallel ranks.
+MULTI_NODE = "values/profiles/llama-3.1-405b-p5x2.yaml"
+ENGINE_RENDERS["scenario:dp+ep over two nodes"] = (
+    (MULTI_NODE,),
+    (
+        "model.name=mistralai/Mixtral-8x7B-Instruct-v0.1",  # experts to parallelise (vLLM refuses EP without)
+        "model.servedName=mixtral-8x7b",
+        *(
+            f"{role}.{key}"
+            for role in ("prefill", "decode")
+            for key in ("tensorParallelSize=1", "dataParallelSize=16", "expertParallel=true")
+        ),
+        "engine.kvEvents.enabled=false",
+    ),
+)
+ENGINE_RENDERS["scenario:dp one node"] = (
+    (MULTI_NODE,),
+    ("prefill.nodes=1", "prefill.tensorParallelSize=4", "prefill.dataParallelSize=2", "engine.kvEvents.enabled=false"),
+)
+# What LeaderWorkerSet's pod webhook (v0.9.0) and the kubelet fill in: the container's $(VAR)s
+# expanded as Kubernetes does, for the worker of group 0.
+LWS_ENV = {
+    "LWS_LEADER_ADDRESS": "pd-role-lws-0.pd-role-lws.pd-test",
+    "LWS_WORKER_INDEX": "1",
+    "POD_IP": "10.0.0.7",
+}
+
+
+def expand(value: str) -> str:
+    for name, v in LWS_ENV.items():
+        value = value.replace(f"$({name})", v)
+    return value
 
 
 @dataclass(frozen=True)
@@ -60,6 +107,7 @@ class Engine:
 
     render: str
     role: str
+    member: str  # "single" (a StatefulSet's pod), or a LeaderWorkerSet group's "leader" or "worker"
     hybrid: bool  # the chart refuses this render's values on LMCache: a hybrid model
     command: list[str]  # what the container runs after the preflight: ["vllm", "serve"]
     preflight: list[str]  # the preflight before it: [python, preflight.py, options...] ([] when off)
@@ -70,7 +118,7 @@ class Engine:
 
     @property
     def name(self) -> str:
-        return f"{self.render} {self.role}"
+        return f"{self.render} {self.role}" + ("" if self.member == "single" else f" {self.member}")
 
     @property
     def kv_transfer_config(self) -> dict[str, Any]:
@@ -97,25 +145,35 @@ def engines(render: str) -> tuple[Engine, ...]:
     docs = helm.render(helm.helm_binaries()[0], files, sets)
     out = []
     for role in ROLES:
-        sts = helm.one(docs, "StatefulSet", f"-{role}")
-        c = sts["spec"]["template"]["spec"]["containers"][0]
-        cut = c["command"].index("--") if "--" in c["command"] else -1
-        command = c["command"][cut + 1 :]
         cms = helm.find(docs, "ConfigMap", f"-{role}-lmcache")
-        out.append(
-            Engine(
-                render=render,
-                role=role,
-                hybrid=chart_says_hybrid(files, sets),
-                command=command,
-                preflight=c["command"][:cut] if cut >= 0 else [],
-                args=list(c["args"]),
-                env={e["name"]: e["value"] for e in c.get("env", []) if "value" in e},
-                tp=int(next(a for a in c["args"] if a.startswith("--tensor-parallel-size=")).split("=")[1]),
-                lmcache_yaml=cms[0]["data"]["lmcache.yaml"] if cms else None,
+        for member, pod in pod_templates(docs, role):
+            c = pod["spec"]["containers"][0]
+            cut = c["command"].index("--") if "--" in c["command"] else -1
+            args = [expand(a) for a in c["args"]]
+            out.append(
+                Engine(
+                    render=render,
+                    role=role,
+                    member=member,
+                    hybrid=chart_says_hybrid(files, sets),
+                    command=c["command"][cut + 1 :],
+                    preflight=c["command"][:cut] if cut >= 0 else [],
+                    args=args,
+                    env={e["name"]: expand(e["value"]) for e in c.get("env", []) if "value" in e},
+                    tp=int(next(a for a in args if a.startswith("--tensor-parallel-size=")).split("=")[1]),
+                    lmcache_yaml=cms[0]["data"]["lmcache.yaml"] if cms else None,
+                )
             )
-        )
     return tuple(out)
+
+
+def pod_templates(docs: list[dict[str, Any]], role: str) -> list[tuple[str, dict[str, Any]]]:
+    """A role's engine pod templates: its StatefulSet's, or its LeaderWorkerSet's leader and worker."""
+    groups = helm.find(docs, "LeaderWorkerSet", f"-{role}-lws")
+    if groups:
+        lwt = groups[0]["spec"]["leaderWorkerTemplate"]
+        return [("leader", lwt["leaderTemplate"]), ("worker", lwt["workerTemplate"])]
+    return [("single", helm.one(docs, "StatefulSet", f"-{role}")["spec"]["template"])]
 
 
 def all_engines(renders: dict[str, Any] = ENGINE_RENDERS) -> list[Engine]:

@@ -39,6 +39,12 @@ BAD_FOR_THE_MODEL = {
     "tensor parallelism that does not divide the heads": ["--tensor-parallel-size=3"],
 }
 LLAMA_70B = "meta-llama/Llama-3.3-70B-Instruct"
+# ... and multi-node command lines (a leader of the Llama 3.1 405B profile: TP 16 over two nodes)
+# that parse but that vLLM must refuse when it builds the engine's world.
+BAD_MULTI_NODE = {
+    "nodes that do not divide the world": ["--nnodes=3"],
+    "a node rank outside the group": ["--node-rank=2"],
+}
 
 
 @functools.cache
@@ -50,6 +56,11 @@ def parsed(version: str) -> dict[str, Any]:
     cases += [
         {"name": f"BAD {name}", "args": [*llama, *extra], "env": {}, "config_dir": config_dir(LLAMA_70B)}
         for name, extra in BAD_FOR_THE_MODEL.items()
+    ]
+    leader = next(e for e in ENGINES if e.member == "leader")
+    cases += [
+        {"name": f"BAD {name}", "args": [*leader.args, *extra], "env": {}, "config_dir": config_dir(leader.args[0])}
+        for name, extra in BAD_MULTI_NODE.items()
     ]
     out = stack.run("vllm_cli.py", {"cases": cases, "connectors": CONNECTORS}, vllm=version)
     out["by_name"] = {r["name"]: r for r in out["results"]}
@@ -99,7 +110,10 @@ def test_kv_events_config_parses_into_vllms_kv_events_config(vllm_version: str, 
     and the engine it builds keeps the prefix cache on, without which no block is published."""
     result = parsed(vllm_version)["by_name"][engine.name]
     rendered_events = engine.kv_events_config
-    assert rendered_events is not None, "engine.kvEvents is on in every render"
+    if rendered_events is None:  # off where the chart requires it: renders with data-parallel engines
+        dp = [a for e in ENGINES if e.render == engine.render for a in e.args if a.startswith("--data-parallel-size=")]
+        assert dp, "engine.kvEvents is on in every render without data parallelism"
+        return
     assert result["kv_events"] == rendered_events
     assert result["engine"]["enable_prefix_caching"] is True, (engine.name, result["engine"])
 
@@ -163,3 +177,48 @@ def test_the_engine_config_refuses_what_the_model_cannot_do_negative_control(vll
         assert "error" not in result, result  # the parser alone accepts it ...
         assert "engine_error" in result, f"vLLM {vllm_version} built an engine config with {name}"
     assert "max_model_len" in by["BAD context over the model's"]["engine_error"]
+
+
+MULTI_NODE = [e for e in ENGINES if e.member != "single" or any(a.startswith("--data-parallel-size=") for a in e.args)]
+
+
+def test_renders_cover_every_engine_shape() -> None:
+    shapes = {e.member for e in ENGINES}
+    assert shapes == {"single", "leader", "worker"}, shapes
+    assert any("--enable-expert-parallel" in e.args and e.member == "worker" for e in ENGINES)
+
+
+@pytest.mark.parametrize("engine", MULTI_NODE, ids=lambda e: e.name)
+def test_vllm_reads_the_multi_node_flags_as_the_chart_means_them(vllm_version: str, engine: rendered.Engine) -> None:
+    """A LeaderWorkerSet group's pods, as vLLM sees them once Kubernetes has expanded LWS's
+    variables: one world of tensorParallelSize x dataParallelSize GPUs over --nnodes, the leader
+    rank 0 serving the API, the worker its LWS_WORKER_INDEX and headless, every pod's
+    data-parallel ranks its even share (engine/_args.tpl)."""
+    result = parsed(vllm_version)["by_name"][engine.name]
+    assert "error" not in result and "engine_error" not in result, result
+    flags = dict(a.split("=", 1) for a in engine.args if a.startswith("--") and "=" in a)
+    nodes, dp = int(flags.get("--nnodes", 1)), int(flags.get("--data-parallel-size", 1))
+    par, eng = result["parallel"], result["engine"]
+    assert par["nnodes"] == nodes and par["data_parallel_size"] == dp
+    assert par["headless"] is (engine.member == "worker")
+    assert (
+        par["node_rank"]
+        == {"single": 0, "leader": 0, "worker": int(rendered.LWS_ENV["LWS_WORKER_INDEX"])}[engine.member]
+    )
+    if nodes > 1:
+        assert par["master_addr"] == rendered.LWS_ENV["LWS_LEADER_ADDRESS"]
+        assert engine.env["VLLM_HOST_IP"] == rendered.LWS_ENV["POD_IP"]
+    assert eng["world_size"] == engine.tp * dp
+    assert eng["data_parallel_size_local"] == max(dp // nodes, 1)
+    assert eng["data_parallel_rank"] == (par["node_rank"] * dp) // nodes
+    assert eng["enable_expert_parallel"] is ("--enable-expert-parallel" in engine.args)
+
+
+def test_vllm_refuses_a_group_it_cannot_build_negative_control(vllm_version: str) -> None:
+    by = parsed(vllm_version)["by_name"]
+    for name in BAD_MULTI_NODE:
+        result = by[f"BAD {name}"]
+        assert "error" not in result, result  # the parser alone accepts it ...
+        assert "engine_error" in result, f"vLLM {vllm_version} built an engine config with {name}"
+    assert "--nnodes" in by["BAD nodes that do not divide the world"]["engine_error"]
+    assert "--node-rank" in by["BAD a node rank outside the group"]["engine_error"]

@@ -76,6 +76,15 @@ def parse(case: dict) -> dict:
         "host": args.host,
         "port": args.port,
         "kv_type": type(kv).__name__,
+        # Multi-node and data-parallel flags (engine/_args.tpl pd-inference.engine.parallelArgs)
+        "parallel": {
+            "nnodes": ea.nnodes,
+            "node_rank": ea.node_rank,
+            "master_addr": ea.master_addr,
+            "headless": bool(getattr(args, "headless", False)),
+            "data_parallel_size": ea.data_parallel_size,
+            "enable_expert_parallel": ea.enable_expert_parallel,
+        },
     }
     if isinstance(kv, KVTransferConfig):
         out["kv"] = {
@@ -94,18 +103,18 @@ def parse(case: dict) -> dict:
             k: getattr(ke, k) for k in ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic")
         }
     if case.get("config_dir"):
-        out.update(engine_config(ea, case["config_dir"]))
+        out.update(engine_config(ea, case["config_dir"], headless=out["parallel"]["headless"]))
     return out
 
 
-def engine_config(ea: AsyncEngineArgs, config_dir: str) -> dict:
+def engine_config(ea: AsyncEngineArgs, config_dir: str, headless: bool = False) -> dict:
     ea.model = ea.tokenizer = config_dir
     ea.skip_tokenizer_init = True
     # A reasoning parser reads the tokenizer's vocabulary (its think tokens), which only the hub
     # has: the parser above checked its name, the engine config is built without it.
     ea.reasoning_parser = ""
     try:
-        cfg = ea.create_engine_config()
+        cfg = ea.create_engine_config(headless=headless)
     except Exception as exc:  # pydantic's ValidationError or vLLM's own ValueError
         return {"engine_error": f"{type(exc).__name__}: {exc}"[:800]}
     mc = cfg.model_config
@@ -118,6 +127,12 @@ def engine_config(ea: AsyncEngineArgs, config_dir: str) -> dict:
             # KV-cache events publish only the blocks the prefix cache stores
             "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+            # what vLLM makes of --nnodes/--node-rank: the world, and this node's data-parallel ranks
+            "world_size": cfg.parallel_config.world_size_across_dp,
+            "data_parallel_size": cfg.parallel_config.data_parallel_size,
+            "data_parallel_size_local": cfg.parallel_config.data_parallel_size_local,
+            "data_parallel_rank": cfg.parallel_config.data_parallel_rank,
+            "enable_expert_parallel": cfg.parallel_config.enable_expert_parallel,
         }
     }
 
