@@ -3,6 +3,8 @@
 # idempotently, into the git-ignored .tools/:
 #   kube-<version>/   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
 #   etcd-<version>/etcd, kwok-<version>/kwok
+#   lws-<version>/    the LeaderWorkerSet controller, and the upstream files the tests install
+#                     with it: its webhook configurations, ClusterRole and DisaggregatedSet CRD
 # and writes .tools/kube.json (what the tests read: versions and paths).
 # Versions are pinned here and nowhere else.
 #
@@ -11,8 +13,9 @@
 # downloaded module, drop those replaces and require the published k8s.io/<staging> v0.<minor>.<patch>
 # instead, then build with the version ldflags (or the server reports v0.0.0 and Helm's
 # kubeVersion check fails). etcd's server module has the same replaces; built as a dependency of
-# a scratch module they are ignored. kwok installs directly. First run: about 20 minutes on two
-# cores and 5 GB of Go build cache; later runs compare stamps and return at once.
+# a scratch module they are ignored. kwok installs directly; LWS builds in a scratch module too
+# (`go install sigs.k8s.io/lws/cmd@v` is refused: it needs the proxy's @v/list). First run: about
+# 22 minutes on two cores and 5 GB of Go build cache; later runs compare stamps and return at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec 1>&2
@@ -23,6 +26,9 @@ exec 1>&2
 KUBE_VERSIONS=(v1.37.2 v1.34.0)
 ETCD_VERSION=v3.7.3
 KWOK_VERSION=v0.8.0
+# The LeaderWorkerSet controller (kubernetes-sigs/lws). v0.9.0, not v0.10.0: the module proxy
+# serves v0.10.0's .info but refuses its zip (403 "not available"). Its CRD is ci/crds/lws-v0.9.0/.
+LWS_VERSION=v0.9.0
 
 TOOLS="$PWD/.tools"
 BUILD="$TOOLS/build"
@@ -88,16 +94,47 @@ build_kwok() {
   echo "$KWOK_VERSION" > "$dir/.version"
 }
 
+build_lws() {
+  local dir="$TOOLS/lws-$LWS_VERSION" src started
+  stamped "$dir" "$LWS_VERSION" && return 0
+  started=$(date +%s)
+  echo "install-kube: building the LeaderWorkerSet controller $LWS_VERSION (first run only, about two minutes)"
+  rm -rf "$BUILD/lws" "$dir" && mkdir -p "$BUILD/lws" "$dir"
+  (
+    cd "$BUILD/lws"
+    go mod init pd-inference.local/lws-build >/dev/null 2>&1
+    go mod edit "-require=sigs.k8s.io/lws@$LWS_VERSION"
+    go build -trimpath -ldflags "-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION" -o "$dir/lws" sigs.k8s.io/lws/cmd
+  )
+  rm -rf "$BUILD/lws"
+  # What tests/cluster/controlplane.py installs besides the binary, under upstream's paths: the
+  # webhook configurations (manifests.yaml and the patches that add the pod webhooks'
+  # objectSelector), the controller's ClusterRole, and the DisaggregatedSet CRD (the controller
+  # always runs that controller too, and exits without its CRD).
+  src=$(go mod download -json "sigs.k8s.io/lws@$LWS_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  for file in config/webhook/manifests.yaml config/webhook/mutating-patch.yaml config/webhook/validating-patch.yaml \
+    config/rbac/role.yaml config/crd/bases/disaggregatedset.x-k8s.io_disaggregatedsets.yaml; do
+    mkdir -p "$dir/$(dirname "$file")"
+    cp "$src/$file" "$dir/$file"
+  done
+  chmod -R u+w "$dir"
+  echo "$LWS_VERSION" > "$dir/.version"
+  echo "install-kube: LeaderWorkerSet $LWS_VERSION built in $(( $(date +%s) - started )) s"
+}
+
 for version in "${KUBE_VERSIONS[@]}"; do build_kube "$version"; done
 build_etcd
 build_kwok
+build_lws
 
 # What tests/cluster reads: one place for the versions above, resolved to paths.
 {
   printf '{\n  "kubernetes": {'
   sep=""
   for version in "${KUBE_VERSIONS[@]}"; do printf '%s"%s": "%s"' "$sep" "$version" "$TOOLS/kube-$version"; sep=", "; done
-  printf '},\n  "etcd": "%s",\n  "kwok": "%s"\n}\n' "$TOOLS/etcd-$ETCD_VERSION/etcd" "$TOOLS/kwok-$KWOK_VERSION/kwok"
+  printf '},\n  "etcd": "%s",\n  "kwok": "%s",\n' "$TOOLS/etcd-$ETCD_VERSION/etcd" "$TOOLS/kwok-$KWOK_VERSION/kwok"
+  printf '  "lws": {"version": "%s", "bin": "%s", "config": "%s"}\n}\n' \
+    "$LWS_VERSION" "$TOOLS/lws-$LWS_VERSION/lws" "$TOOLS/lws-$LWS_VERSION/config"
 } > "$TOOLS/kube.json"
 for version in "${KUBE_VERSIONS[@]}"; do
   echo "install-kube: $("$TOOLS/kube-$version/kube-apiserver" --version) at .tools/kube-$version"

@@ -25,6 +25,7 @@ def cluster(
     try:
         cp.apply(fleet.crds())
         cp.wait_for_condition("crd", "Established")
+        cp.start_lws()
         cp.apply(fleet.nodes())
         cp.wait_for_condition("node", "Ready")
         cp.apply(fleet.storage())

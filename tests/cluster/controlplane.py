@@ -1,7 +1,8 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (self-signed serving
 certificate, a service-account signing key, RBAC, the default admission plugins including
-PodSecurity), kube-controller-manager, kube-scheduler, and kwok simulating the kubelets of fake
-nodes. Built by scripts/install-kube.sh (`make kube`); paths come from .tools/kube.json.
+PodSecurity), kube-controller-manager, kube-scheduler, kwok simulating the kubelets of fake
+nodes, and the LeaderWorkerSet controller (`start_lws()`, once its CRD is in). Built by
+scripts/install-kube.sh (`make kube`); paths come from .tools/kube.json.
 
 Every process gets its own free ports and a work folder; readiness is polled (`/readyz`,
 `/healthz`, a node turning Ready), never slept for; `stop()` kills the whole process group of
@@ -10,6 +11,7 @@ each and waits for it, so nothing is left behind.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -40,6 +42,13 @@ def manifest() -> dict[str, Any]:
 
 def versions() -> list[str]:
     return list(manifest()["kubernetes"])
+
+
+def lws() -> dict[str, str]:
+    """The LeaderWorkerSet build: version, bin, config (upstream's config/ files it needs)."""
+    if "lws" not in manifest():
+        raise RuntimeError(f"{MANIFEST} predates the LeaderWorkerSet controller: run `make kube` (builds only it)")
+    return dict(manifest()["lws"])
 
 
 def free_port() -> int:
@@ -73,6 +82,7 @@ class ControlPlane:
     workdir: Path
     procs: list[Process] = field(default_factory=list)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    lws_token: str = field(default_factory=lambda: secrets.token_hex(16))
     apiserver_port: int = 0
 
     @property
@@ -104,8 +114,12 @@ class ControlPlane:
         subprocess.run(
             ["openssl", "genrsa", "-out", str(w / "sa.key"), "2048"], check=True, capture_output=True, timeout=60
         )
-        (w / "tokens.csv").write_text(f"{self.token},pd-admin,pd-admin,system:masters\n")
-        self._write_kubeconfig()
+        # The LWS controller gets its own user, bound to upstream's ClusterRole (start_lws): it
+        # runs with the permissions it has in a real cluster, not as an admin.
+        (w / "tokens.csv").write_text(
+            f"{self.token},pd-admin,pd-admin,system:masters\n{self.lws_token},lws-controller,lws-controller\n"
+        )
+        self.kubeconfig.write_text(yaml.safe_dump(self._kubeconfig("pd-admin", self.token)))
         self._spawn(
             "etcd",
             [
@@ -191,6 +205,56 @@ class ControlPlane:
                 "-v=DEBUG",
             ],
         )
+
+    def start_lws(self) -> None:
+        """The LeaderWorkerSet controller (kubernetes-sigs/lws) as upstream installs it, on loopback:
+        upstream's ClusterRole bound to its own user, its webhooks served on a free port with a
+        self-signed certificate for 127.0.0.1 and registered by URL. The webhooks are not optional:
+        the reconciler relies on the LeaderWorkerSet defaults they set, and the pod webhook adds the
+        group's labels and LWS_LEADER_ADDRESS. Its pod webhooks select only pods labelled
+        leaderworkerset.sigs.k8s.io/name, so no other pod meets them. Call once the CRDs of ci/crds/
+        (its LeaderWorkerSet) are Established; it installs its DisaggregatedSet CRD itself."""
+        w, build = self.workdir / "lws", lws()
+        config = Path(build["config"])
+        w.mkdir(exist_ok=True)
+        self.kubectl("apply", "--server-side", "--field-manager=pd-tests", "-f", str(config / "crd/bases"))
+        self.wait_for_condition("crd", "Established")
+        role = yaml.safe_load((config / "rbac/role.yaml").read_text())
+        role["metadata"]["name"] = "lws-manager-role"  # upstream's kustomize namePrefix
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "lws-manager-rolebinding"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "lws-manager-role"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "lws-controller"}],
+        }
+        self.apply([role, binding])
+        (w / "kubeconfig").write_text(yaml.safe_dump(self._kubeconfig("lws-controller", self.lws_token)))
+        # One self-signed certificate for 127.0.0.1 is both the serving certificate and the CA
+        # bundle the API server trusts for the webhook calls.
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+            + ["-keyout", str(w / "tls.key"), "-out", str(w / "tls.crt"), "-days", "7", "-subj", "/CN=lws-webhook"]
+            + ["-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        webhook_port, health_port = free_port(), free_port()
+        settings = {
+            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},  # it would rotate certificates into a Secret
+            "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(w)},
+            "metrics": {"bindAddress": "0"},  # off: nothing scrapes it
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        }
+        (w / "config.yaml").write_text(yaml.safe_dump(settings))
+        self._spawn("lws", [build["bin"], f"--config={w / 'config.yaml'}", f"--kubeconfig={w / 'kubeconfig'}"])
+        self._wait(f"http://127.0.0.1:{health_port}/readyz", "lws", tls=False)
+        self.apply(self._lws_webhooks(config, f"https://127.0.0.1:{webhook_port}", (w / "tls.crt").read_bytes()))
+        self._wait_lws_webhooks()
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -308,22 +372,73 @@ class ControlPlane:
         events = self.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False)
         lines += ["--- events:", *events.stdout.splitlines()[-30:]]
         for proc in self.procs:
-            if proc.name in ("kube-scheduler", "kwok") and proc.log.exists():
+            if proc.name in ("kube-scheduler", "kwok", "lws") and proc.log.exists():
                 mine = [ln for ln in proc.log.read_text(errors="replace").splitlines() if ns in ln]
                 lines += [f"--- {proc.name}'s last lines naming {ns}:", *(ln[:400] for ln in mine[-15:])]
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ internals
-    def _write_kubeconfig(self) -> None:
-        cfg = {
+    def _kubeconfig(self, user: str, token: str) -> dict[str, Any]:
+        return {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "pd", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
-            "users": [{"name": "pd-admin", "user": {"token": self.token}}],
-            "contexts": [{"name": "pd", "context": {"cluster": "pd", "user": "pd-admin"}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "pd", "context": {"cluster": "pd", "user": user}}],
             "current-context": "pd",
         }
-        self.kubeconfig.write_text(yaml.safe_dump(cfg))
+
+    @staticmethod
+    def _lws_webhooks(config: Path, url: str, ca: bytes) -> list[dict[str, Any]]:
+        """Upstream's webhook configurations as its kustomization builds them (manifests.yaml with
+        the patches that give the pod webhooks their objectSelector, names prefixed `lws-`), each
+        service reference replaced by this controller's URL and CA bundle."""
+        docs = [d for d in yaml.safe_load_all((config / "webhook/manifests.yaml").read_text()) if d]
+        patches = {
+            "MutatingWebhookConfiguration": "mutating-patch.yaml",
+            "ValidatingWebhookConfiguration": "validating-patch.yaml",
+        }
+        for doc in docs:
+            for op in yaml.safe_load((config / "webhook" / patches[doc["kind"]]).read_text()):
+                assert op["op"] == "replace" and op["path"].startswith("/webhooks/"), op
+                doc["webhooks"][int(op["path"].rpartition("/")[2])] = op["value"]
+            doc["metadata"]["name"] = "lws-" + doc["metadata"]["name"]
+            for hook in doc["webhooks"]:
+                path = hook["clientConfig"]["service"]["path"]
+                hook["clientConfig"] = {"url": url + path, "caBundle": base64.b64encode(ca).decode()}
+        return docs
+
+    def _wait_lws_webhooks(self) -> None:
+        """Until the API server calls the webhooks: a LeaderWorkerSet created in a dry run comes
+        back with the defaults only the mutating webhook sets, and a name only the validating
+        webhook refuses (not a DNS-1035 label) is refused. Before that, a LeaderWorkerSet would be
+        stored without its defaults."""
+        proc = self.procs[-1]
+
+        def probe(name: str) -> subprocess.CompletedProcess[str]:
+            obj = {
+                "apiVersion": "leaderworkerset.x-k8s.io/v1",
+                "kind": "LeaderWorkerSet",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {
+                    "leaderWorkerTemplate": {"workerTemplate": {"spec": {"containers": [{"name": "c", "image": "c"}]}}}
+                },
+            }
+            return self.kubectl(
+                "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(obj), check=False
+            )
+
+        def effective() -> bool:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"lws exited with {proc.popen.returncode}:\n{proc.tail()}")
+            good = probe("webhook-probe")
+            defaulted = good.returncode == 0 and "networkConfig" in json.loads(good.stdout)["spec"]
+            return defaulted and "vleaderworkerset.kb.io" in probe("0-webhook-probe").stderr
+
+        try:
+            self.wait_until("the API server calling the LWS webhooks", effective)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}:\n{proc.tail()}") from None
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = self.workdir / f"{name}.log"

@@ -95,7 +95,8 @@ def nodes() -> list[dict[str, Any]]:
 
 
 def crds() -> str:
-    """Every CRD in ci/crds/ (Argo CD, Prometheus Operator, KEDA), as one YAML stream."""
+    """Every CRD in ci/crds/ (Argo CD, Prometheus Operator, KEDA, Gateway API, LeaderWorkerSet), as
+    one YAML stream."""
     return "\n---\n".join(p.read_text() for p in sorted(crd_schema.CRDS.glob("*/*.yaml")))
 
 

@@ -153,8 +153,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "podManagementPolicy: OrderedReady",
     ),
     "volumeClaimTemplates size": (
-        "templates/engine/statefulset.yaml",
-        r"storage: \{\{ \$v\.modelCache\.pvc\.size \}\}",
+        "templates/engine/_pod.tpl",  # pd-inference.engine.modelCacheClaims
+        r"storage: \{\{ \$pvc\.size \}\}",
         "storage: 301Gi",
     ),
     "every selector": (
