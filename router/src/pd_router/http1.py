@@ -462,7 +462,9 @@ class HttpConnection(asyncio.Protocol):
             if key in SINGLETON_HEADERS:
                 raise _Refused(400, "duplicate singleton header")
             return  # the first value is the one the router reads
-        self._headers[key] = value.decode("utf-8", "surrogateescape")
+        # A field value excludes its surrounding whitespace (RFC 9110 5.5); llhttp (httptools 0.9.0)
+        # drops the leading but keeps the trailing, so " identity " arrived as "identity ".
+        self._headers[key] = value.rstrip(b" \t").decode("utf-8", "surrogateescape")
 
     def on_headers_complete(self) -> None:
         p = self.parser

@@ -250,3 +250,18 @@ def test_drain_finishes_what_is_in_flight_and_closes_the_rest() -> None:
             idle_w.close()
 
     run(go())
+
+
+def test_header_values_lose_their_surrounding_whitespace() -> None:
+    """RFC 9110 5.5: leading and trailing spaces and tabs are not part of a field value (llhttp
+    keeps the trailing ones; the router compared "identity " with its id rule and made its own)."""
+
+    async def go() -> None:
+        async with serving(echo_routes()) as (_, port):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-N: \t identity \t \r\n\r\n")
+            _, headers, _ = await read_answer(r)
+            assert headers["x-n"] == "identity"
+            w.close()
+
+    run(go())
