@@ -656,6 +656,9 @@ def test_a_release_name_too_long_for_the_worker_statefulsets_is_refused(h4: Path
         result.stderr
     )
     assert helm.template(h4, sets=sets, release="r" * 25).returncode == 0
+    # LeaderWorkerSet's webhook (v0.9.0) wants a DNS-1035 name: a letter first
+    digit = helm.template(h4, sets=sets, release="1pd")
+    assert digit.returncode != 0 and "must start with a letter" in digit.stderr, digit.stderr
 
 
 # The negative controls of the issue 22 rules: values next to the refused ones that render.

@@ -323,6 +323,10 @@ vLLM's drain, or the requests it is finishing die with it. */ -}}
 {{- fail (printf "engine.kvEvents.enabled: with %s.dataParallelSize %d every rank publishes its own events (ports.kvEvents + rank, on the pod that runs it) and the router subscribes to one port of each Service endpoint; turn the events off (the router then estimates prefixes itself)" $role $dp) -}}
 {{- end -}}
 {{- if gt $nodes 1 -}}
+{{- /* LWS v0.9.0's webhook wants its name a DNS-1035 label (it names its headless Service): a letter first. */ -}}
+{{- if not (regexMatch "^[a-z]" (include "pd-inference.engine.groupName" (dict "ctx" $ "role" $role))) -}}
+{{- fail (printf "%s.nodes: the LeaderWorkerSet name %s must start with a letter (LeaderWorkerSet names its Service after it: a DNS-1035 label); use a release name or fullnameOverride that does" $role (include "pd-inference.engine.groupName" (dict "ctx" $ "role" $role))) -}}
+{{- end -}}
 {{- /* The worker StatefulSet <group>-<index> labels its pods controller-revision-hash <statefulset>-<10-character hash>: within 63. */ -}}
 {{- $groups := max (int $r.replicas) (ternary (int $r.autoscaling.maxReplicas) 0 $r.autoscaling.enabled) 1 -}}
 {{- $longest := add (len (include "pd-inference.engine.groupName" (dict "ctx" $ "role" $role))) 1 (len (toString (sub $groups 1))) 11 -}}
