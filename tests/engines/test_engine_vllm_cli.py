@@ -170,13 +170,20 @@ def test_vllm_builds_the_whole_engine_config_for_the_model(vllm_version: str, en
     assert eng["is_hybrid"] is engine.hybrid, (engine.name, eng)
 
 
-def test_the_engine_config_refuses_what_the_model_cannot_do_negative_control(vllm_version: str) -> None:
-    by = parsed(vllm_version)["by_name"]
-    for name in BAD_FOR_THE_MODEL:
+def engine_config_refusals(version: str, cases: dict[str, list[str]]) -> dict[str, str]:
+    """Each bad case's error from vLLM's engine config, which must refuse what its parser accepted."""
+    by = parsed(version)["by_name"]
+    out = {}
+    for name in cases:
         result = by[f"BAD {name}"]
         assert "error" not in result, result  # the parser alone accepts it ...
-        assert "engine_error" in result, f"vLLM {vllm_version} built an engine config with {name}"
-    assert "max_model_len" in by["BAD context over the model's"]["engine_error"]
+        assert "engine_error" in result, f"vLLM {version} built an engine config with {name}"
+        out[name] = result["engine_error"]
+    return out
+
+
+def test_the_engine_config_refuses_what_the_model_cannot_do_negative_control(vllm_version: str) -> None:
+    assert "max_model_len" in engine_config_refusals(vllm_version, BAD_FOR_THE_MODEL)["context over the model's"]
 
 
 MULTI_NODE = [e for e in ENGINES if e.member != "single" or any(a.startswith("--data-parallel-size=") for a in e.args)]
@@ -215,10 +222,6 @@ def test_vllm_reads_the_multi_node_flags_as_the_chart_means_them(vllm_version: s
 
 
 def test_vllm_refuses_a_group_it_cannot_build_negative_control(vllm_version: str) -> None:
-    by = parsed(vllm_version)["by_name"]
-    for name in BAD_MULTI_NODE:
-        result = by[f"BAD {name}"]
-        assert "error" not in result, result  # the parser alone accepts it ...
-        assert "engine_error" in result, f"vLLM {vllm_version} built an engine config with {name}"
-    assert "--nnodes" in by["BAD nodes that do not divide the world"]["engine_error"]
-    assert "--node-rank" in by["BAD a node rank outside the group"]["engine_error"]
+    refused = engine_config_refusals(vllm_version, BAD_MULTI_NODE)
+    assert "--nnodes" in refused["nodes that do not divide the world"]
+    assert "--node-rank" in refused["a node rank outside the group"]
