@@ -118,14 +118,42 @@ class KvEvents:
 
 
 @dataclass(frozen=True)
+class GoodputSeed:
+    """Starting points of the goodput decision's cost estimates (pd_router.costs), learnt
+    from the engines either way; 0 = the router's built-in prior."""
+
+    prefill_tokens_per_second: float = 0.0
+    decode_step_seconds: float = 0.0
+    handoff_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The service-level objectives the ``goodput`` decision keeps requests within
+    (pd_router.plan): a request meets them when its time to first token is at most
+    ``ttftSeconds + ttftSecondsPerKiloToken x prompt tokens / 1000`` and the 95th percentile of
+    its inter-token latency at most ``itlSeconds`` (DistServe's goodput)."""
+
+    ttft_seconds: float = 1.0
+    ttft_seconds_per_kilo_token: float = 0.25
+    itl_seconds: float = 0.1
+    # how far back the load and cost estimates look: a shift in the traffic moves them within it
+    window_seconds: float = 5.0
+    seed: GoodputSeed = field(default_factory=GoodputSeed)
+
+
+@dataclass(frozen=True)
 class Routing:
     # the chart's default (kvTransfer.connector): one default for router and chart
     connector: Literal["lmcache", "nixl"] = "nixl"
     threshold: int = 1024
     session_affinity_header: str = ""
     # prefix: decoder first, disaggregate by the prompt tokens it does not hold (and bypass a
-    # busy prefill pool); length: the prompt's length alone (HyperPod's routingThreshold rule)
-    decision: Literal["prefix", "length"] = "prefix"
+    # busy prefill pool); length: the prompt's length alone (HyperPod's routingThreshold rule);
+    # goodput: per request, whole on one engine or prefill on one and decode on another, from
+    # measured costs (pd_router.plan)
+    decision: Literal["prefix", "length", "goodput"] = "prefix"
+    goodput: Goodput = field(default_factory=Goodput)
     prefix_cache: PrefixCache = field(default_factory=PrefixCache)
     prefill_busy: PrefillBusy = field(default_factory=PrefillBusy)
     kv_events: KvEvents = field(default_factory=KvEvents)
@@ -155,6 +183,11 @@ def _decode_pool() -> Pool:
 
 @dataclass(frozen=True)
 class Pools:
+    # split: prefillers (pools.prefill) and decoders (pools.decode); flexible: one pool,
+    # pools.decode, whose every engine can prefill for another, decode what another prefilled
+    # or serve a request whole (vLLM NixlConnector with kv_role kv_both); pools.prefill is then
+    # refused, not ignored
+    layout: Literal["split", "flexible"] = "split"
     prefill: Pool = field(default_factory=_prefill_pool)
     decode: Pool = field(default_factory=_decode_pool)
 
@@ -432,6 +465,35 @@ def _validate_tracing(t: Tracing) -> None:
         )
 
 
+def _validate_goodput(cfg: RouterConfig) -> None:
+    g = cfg.routing.goodput
+    for name in ("ttft_seconds", "itl_seconds", "window_seconds"):
+        _positive(getattr(g, name), f"routing.goodput.{_camel(name)}")
+    if not (g.ttft_seconds_per_kilo_token >= 0 and math.isfinite(g.ttft_seconds_per_kilo_token)):
+        raise ConfigError(
+            "routing.goodput.ttftSecondsPerKiloToken: must be a finite number >= 0, "
+            f"got {g.ttft_seconds_per_kilo_token}"
+        )
+    for f in dataclasses.fields(GoodputSeed):
+        v = getattr(g.seed, f.name)
+        if not (v >= 0 and math.isfinite(v)):
+            raise ConfigError(
+                f"routing.goodput.seed.{_camel(f.name)}: must be a finite number >= 0 "
+                f"(0 = the built-in prior), got {v}"
+            )
+    connector = cfg.routing.connector
+    if cfg.pools.layout == "flexible" and connector != "nixl":
+        raise ConfigError(
+            "pools.layout: flexible needs routing.connector nixl (an LMCache PD engine is a "
+            f"sender or a receiver, never both), got connector {connector!r}"
+        )
+    if cfg.routing.decision == "goodput" and connector != "nixl":
+        raise ConfigError(
+            "routing.decision: goodput needs routing.connector nixl (it names the prefiller "
+            f"and the decoder of each hand-off), got connector {connector!r}"
+        )
+
+
 def _validate(cfg: RouterConfig) -> None:
     _check_port(cfg.listen.port, "listen.port", allow_zero=True)
     if not 0 <= cfg.listen.workers <= MAX_WORKERS:
@@ -469,6 +531,7 @@ def _validate(cfg: RouterConfig) -> None:
         raise ConfigError(
             f"routing.prefillBusy.maxDecoderRequests: must be >= 1, got {pb.max_decoder_requests}"
         )
+    _validate_goodput(cfg)
     ke = cfg.routing.kv_events
     _check_port(ke.port, "routing.kvEvents.port", allow_zero=True)
     _check_port(ke.replay_port, "routing.kvEvents.replayPort", allow_zero=True)
@@ -556,6 +619,12 @@ def parse_config(data: Any, env: Mapping[str, str] | None = None) -> RouterConfi
             raise ConfigError(f"<env>: malformed override name {key!r}")
         _set_path(raw, RouterConfig, parts, (env or {})[key], key)
     cfg = _build(RouterConfig, raw, "")
+    pools = raw.get("pools")
+    if cfg.pools.layout == "flexible" and isinstance(pools, Mapping) and "prefill" in pools:
+        raise ConfigError(
+            "pools.prefill: not used with pools.layout flexible (every engine is in "
+            "pools.decode and takes either part); remove it"
+        )
     _validate(cfg)
     return cfg
 
