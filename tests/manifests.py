@@ -68,6 +68,17 @@ def router_config(docs: Docs) -> dict[str, Any]:
     return yaml.safe_load(helm.one(docs, "ConfigMap", "-router")["data"]["router.yaml"])
 
 
+# Every engine role the chart knows, in the order it renders them.
+ROLES = ("prefill", "decode")
+
+
+def engine_roles(docs: Docs) -> tuple[str, ...]:
+    """The engine roles a render runs, read from the router's pools: prefill and decode, or decode
+    alone with one engine pool (engine.layout flexible)."""
+    pools = router_config(docs)["pools"]
+    return tuple(role for role in ROLES if role in pools)
+
+
 def container_ports(docs: Docs, kind: str, suffix: str) -> dict[str, int]:
     c = pod_spec(docs, kind, suffix)["containers"][0]
     return {p["name"]: p["containerPort"] for p in c["ports"]}

@@ -560,6 +560,40 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "router:\n  ingress: {enabled: true, paths: [{path: /v1, pathType: Glob}]}\n",
         ("/router/ingress/paths/0/pathType",),
     ),
+    # The flexible layout (engine.layout): one pool of decode engines, each NixlConnector kv_both.
+    "unknown_engine_layout": ("engine:\n  layout: mixed\n", ("/engine/layout",)),
+    "flexible_with_prefill_engines": (
+        "engine:\n  layout: flexible\n",  # prefill.replicas defaults to 1
+        ("prefill.replicas", "set prefill.replicas: 0", "decode engine that also prefills"),
+    ),
+    "flexible_with_prefill_autoscaling": (
+        "engine:\n  layout: flexible\nprefill:\n  replicas: 0\n  autoscaling:\n    enabled: true\n"
+        "    metrics: [{type: Resource, resource: {name: cpu, target: {type: Utilization, averageUtilization: 50}}}]\n",
+        ("prefill.autoscaling.enabled", "engine.layout flexible", "decode.autoscaling"),
+    ),
+    "flexible_with_multi_node_decode": (
+        "engine:\n  layout: flexible\nprefill:\n  replicas: 0\ndecode:\n  nodes: 2\n  tensorParallelSize: 2\n",
+        ("decode.nodes", "not checked with NixlConnector kv_both"),
+    ),
+    "flexible_with_data_parallel_decode": (
+        "engine:\n  layout: flexible\n  kvEvents:\n    enabled: false\nprefill:\n  replicas: 0\n"
+        "decode:\n  dataParallelSize: 2\n",
+        ("decode.dataParallelSize", "not checked with NixlConnector kv_both"),
+    ),
+    # The goodput decision's SLOs, as the router refuses them (pd_router.config _validate_goodput).
+    "unknown_decision": ("router:\n  decision: fastest\n", ("/router/decision",)),
+    "goodput_ttft_of_zero": ("router:\n  goodput:\n    ttftSeconds: 0\n", ("/router/goodput/ttftSeconds",)),
+    "goodput_itl_not_a_number": ("router:\n  goodput:\n    itlSeconds: fast\n", ("/router/goodput/itlSeconds",)),
+    "goodput_negative_ttft_per_kilo_token": (
+        "router:\n  goodput:\n    ttftSecondsPerKiloToken: -0.1\n",
+        ("/router/goodput/ttftSecondsPerKiloToken",),
+    ),
+    "goodput_window_of_zero": ("router:\n  goodput:\n    windowSeconds: 0\n", ("/router/goodput/windowSeconds",)),
+    "goodput_negative_seed": (
+        "router:\n  goodput:\n    seed:\n      handoffSeconds: -1\n",
+        ("/router/goodput/seed/handoffSeconds",),
+    ),
+    "goodput_unknown_key": ("router:\n  goodput:\n    ttft: 1\n", ("/router/goodput", "ttft")),
 }
 
 # The same, layered over tests/values/lmcache.yaml (LMCache PD with a full-attention model): the
@@ -609,6 +643,15 @@ BAD_LMCACHE_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "kvTransfer:\n  lmcache:\n    extraConfig:\n      save_unfull_chunk: false\n",
         ("/kvTransfer/lmcache/extraConfig", "save_unfull_chunk"),
     ),
+    # LMCache PD's engines are a sender or a receiver, never both.
+    "flexible_layout_with_lmcache": (
+        "engine:\n  layout: flexible\nprefill:\n  replicas: 0\n",
+        ("kvTransfer.connector: lmcache cannot serve engine.layout flexible", "kvTransfer.connector: nixl"),
+    ),
+    "goodput_decision_with_lmcache": (
+        "router:\n  decision: goodput\n",
+        ("router.decision: goodput needs kvTransfer.connector: nixl",),
+    ),
 }
 
 
@@ -638,7 +681,16 @@ def test_bad_values_fail_naming_the_field(any_helm: Path, case: str) -> None:
     assert "panic" not in result.stderr and "goroutine" not in result.stderr
 
 
-@pytest.mark.parametrize("case", ["two_routers_with_lmcache", "router_hpa_with_lmcache", "unequal_tp_with_lmcache"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "two_routers_with_lmcache",
+        "router_hpa_with_lmcache",
+        "unequal_tp_with_lmcache",
+        "flexible_layout_with_lmcache",
+        "goodput_decision_with_lmcache",
+    ],
+)
 def test_lmcache_only_rules_do_not_fire_on_nixl(h4: Path, case: str) -> None:
     """The negative control of the LMCache-only rules: on the NIXL defaults these values render."""
     content, _ = BAD_LMCACHE_VALUES[case]
@@ -715,6 +767,17 @@ GOOD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
         "engine:\n  kvEvents:\n    enabled: false\n"
         "decode:\n  instanceType: p5.48xlarge\n  nodes: 2\n  dataParallelSize: 16\n  expertParallel: true\n"
         "  groupTopologyKey: topology.k8s.aws/network-node-layer-3\n",
+    ),
+    # the flexible layout as it must be set, with the prefill role's other values left as they are
+    # (prefill.nodes and its extraArgs are not rendered, so not checked), and goodput on split
+    "flexible_layout_with_no_prefill_engine": (
+        (),
+        "engine:\n  layout: flexible\nprefill:\n  replicas: 0\n  nodes: 2\n  tensorParallelSize: 2\n"
+        "  extraArgs: [--tensor-parallel-size=4]\nrouter:\n  decision: goodput\n",
+    ),
+    "goodput_decision_on_split_engines": (
+        (),
+        "router:\n  decision: goodput\n  goodput:\n    ttftSecondsPerKiloToken: 0\n    seed: {prefillTokensPerSecond: 20000.5}\n",
     ),
     "efa_with_a_cpu_lmcache_buffer": (
         (LMCACHE,),

@@ -81,7 +81,7 @@ def _pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """Each component's pod labels: the router's, each role's serving pods' (a multi-node role's
     leaders; its workers as "<role>-worker"), the helm test pod's."""
     pods = {"router": helm.one(docs, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]}
-    for role in ("prefill", "decode"):
+    for role in manifests.engine_roles(docs):
         for member, template in manifests.engine_templates(docs, role).items():
             pods[role if member != "worker" else f"{role}-worker"] = template["metadata"]["labels"]
     pods["helm-test"] = helm.one(docs, "Pod", "-helm-test")["metadata"]["labels"]
@@ -92,7 +92,7 @@ def _pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 def test_network_policies_select_the_pods_they_protect(h4: Path, name: str) -> None:
     docs = helm.render(h4, LAYERINGS[name])
     pods = _pod_labels(docs)
-    for component in ("router", "prefill", "decode"):
+    for component in ("router", *manifests.engine_roles(docs)):
         policy = helm.one(docs, "NetworkPolicy", f"-{component}")
         selected = {c for c, labels in pods.items() if _selects(policy["spec"]["podSelector"], labels)}
         assert selected == {c for c in pods if c.removesuffix("-worker") == component}  # a group's workers too
@@ -324,7 +324,7 @@ def test_every_declared_port_is_in_the_service_or_policy_it_belongs_to(h4: Path)
     ingress port of a policy is one its pods declare (or the UCX range)."""
     for name, files in LAYERINGS.items():
         docs = helm.render(h4, files, sets=("networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prom",))
-        for component in ("router", "prefill", "decode"):
+        for component in ("router", *manifests.engine_roles(docs)):
             if component == "router":
                 pod = helm.one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
             else:

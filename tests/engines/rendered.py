@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tests import helm
+from tests import helm, manifests
 from tests.cases import LAYERINGS, LMCACHE
 
 FORCE_LMCACHE = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false")
@@ -54,7 +54,6 @@ ENGINE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     **{name: (files, ()) for name, files in LAYERINGS.items()},
     **LMCACHE_RENDERS,
 }
-ROLES = ("prefill", "decode")
 # Renders only the real-engine tier runs (tests/real_engine/test_real_revision.py): the dev
 # environment at two model revisions, one KV revision each.
 REVISIONS = ("1" * 40, "2" * 40)
@@ -144,7 +143,7 @@ def engines(render: str) -> tuple[Engine, ...]:
     files, sets = {**ENGINE_RENDERS, **REAL_ONLY_RENDERS}[render]
     docs = helm.render(helm.helm_binaries()[0], files, sets)
     out = []
-    for role in ROLES:
+    for role in manifests.engine_roles(docs):  # both, or the one pool of engine.layout flexible
         cms = helm.find(docs, "ConfigMap", f"-{role}-lmcache")
         for member, pod in pod_templates(docs, role):
             c = pod["spec"]["containers"][0]

@@ -186,6 +186,28 @@ def test_the_engine_config_refuses_what_the_model_cannot_do_negative_control(vll
     assert "max_model_len" in engine_config_refusals(vllm_version, BAD_FOR_THE_MODEL)["context over the model's"]
 
 
+# The parts each NixlConnector kv_role lets an engine take: (prefill side, decode side).
+KV_PARTS = {"kv_producer": (True, False), "kv_consumer": (False, True), "kv_both": (True, True)}
+NIXL = [e for e in ENGINES if e.kv_transfer_config["kv_connector"] == "NixlConnector"]
+
+
+def test_renders_cover_every_kv_role() -> None:
+    """Split's producers and consumers, and the flexible layout's engines that take either part
+    (engine.layout flexible, scenario:flexible): the decode engines, and no prefill engine there."""
+    assert {e.kv_transfer_config["kv_role"] for e in NIXL} == set(KV_PARTS)
+    flexible = [e for e in ENGINES if e.render == "scenario:flexible"]
+    assert [(e.role, e.kv_transfer_config["kv_role"]) for e in flexible] == [("decode", "kv_both")]
+
+
+@pytest.mark.parametrize("engine", NIXL, ids=lambda e: e.name)
+def test_vllm_lets_each_engine_take_the_parts_its_layout_gives_it(vllm_version: str, engine: rendered.Engine) -> None:
+    """vLLM's own reading of the rendered kv_role: a prefiller produces, a decoder consumes, and a
+    flexible engine (kv_both) does both, which is what prefilling for another engine and decoding
+    what another prefilled needs."""
+    kv = parsed(vllm_version)["by_name"][engine.name]["kv"]
+    assert (kv["is_kv_producer"], kv["is_kv_consumer"]) == KV_PARTS[engine.kv_transfer_config["kv_role"]]
+
+
 MULTI_NODE = [e for e in ENGINES if e.member != "single" or any(a.startswith("--data-parallel-size=") for a in e.args)]
 
 

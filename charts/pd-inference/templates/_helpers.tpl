@@ -92,6 +92,27 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 
 {{/* Ports: templates/_ports.tpl. */}}
 
+{{/* "true" when every engine takes either part (engine.layout flexible), else "". */}}
+{{- define "pd-inference.flexible" -}}
+{{- if eq .Values.engine.layout "flexible" -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The engine roles this release runs, as a JSON list, in the order the objects render: every
+per-role template (StatefulSets, LeaderWorkerSets, Services, ConfigMaps, PDBs, autoscalers,
+NetworkPolicies and their peers, the PodMonitor, the KV revision, the zone affinity, the checks)
+ranges over it, so the layout's rule lives here alone. split: prefill and decode. flexible:
+decode alone, each engine of it a decode engine that also prefills for another
+(engine/_kv.tpl kv_both). Use: range $role := include "pd-inference.engineRoles" $ | fromJsonArray
+*/}}
+{{- define "pd-inference.engineRoles" -}}
+{{- if include "pd-inference.flexible" . -}}
+{{- list "decode" | toJson -}}
+{{- else -}}
+{{- list "prefill" "decode" | toJson -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The NIXL backend: LIBFABRIC on EFA, UCX otherwise, unless set explicitly. */}}
 {{- define "pd-inference.nixlBackend" -}}
 {{- if ne .Values.kvTransfer.backend "auto" -}}
@@ -193,6 +214,21 @@ class names as DNS subdomains; the scheduler name not at all, so it is quoted).
 {{ $field }}: {{ . | quote }}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The x-pd-reason values an answer to a single request may carry under this release's
+router.decision, as a JSON list (the helm test checks them): the decision's own reasons, then
+the fallbacks' (pd_router.metrics DECIDED and FALLBACK_REASONS; tests/test_helm_test_pod.py
+checks the two agree; batch is left out: the test sends single requests).
+*/}}
+{{- define "pd-inference.routeReasons" -}}
+{{- $decided := list "below_threshold" "prefix_cached" "prefill_busy" "always" "above_threshold" -}}
+{{- if eq .Values.router.decision "goodput" -}}
+{{- $decided = list "handoff_not_worth" "whole_best" "split_protects_itl" "split_faster" -}}
+{{- end -}}
+{{- $fallbacks := list "unsupported_fields" "no_prefiller" "prefill_error" "prefill_timeout" "no_kv_params" "tokenize_error" "unknown_max_tokens" "notify_timeout" "decode_retry" "too_long" "reasoning_parser" "prefill_refused" "no_revision_pair" -}}
+{{- concat $decided $fallbacks | toJson -}}
 {{- end -}}
 
 {{/* "true" when the router itself receives LMCache notifications (and so must be a single replica). */}}

@@ -38,7 +38,11 @@ mode, and _validate.tpl checks both connectors, with the metrics proxy and the K
 {{- $p = append $p (dict "name" "pd-notify" "port" (int $v.ports.proxyNotification) "field" "ports.proxyNotification" "container" "router" "service" true "from" (list "prefill") "doc" "Prefillers' KV-landed notifications." "serviceDoc" "Prefillers PUSH their KV-landed notifications (LMCache ProxyNotif over ZMQ) here.") -}}
 {{- end -}}
 {{- else -}}
-{{- $other := ternary "decode" "prefill" (eq $c "prefill") -}}
+{{- /* Who moves KV with this role's pods: the other role (split), or the other engines of its own
+role (flexible: each prefills for another and decodes what another prefilled). */ -}}
+{{- $flexible := include "pd-inference.flexible" .ctx -}}
+{{- $other := ternary $c (ternary "decode" "prefill" (eq $c "prefill")) (not (empty $flexible)) -}}
+{{- $otherDoc := ternary "the other engines of the pool" "the other role" (not (empty $flexible)) -}}
 {{- $httpFrom := list "router" -}}
 {{- $httpDoc := "The OpenAI API, from the router only." -}}
 {{- if and (not $proxy) $metricsFrom -}}
@@ -68,16 +72,16 @@ mode, and _validate.tpl checks both connectors, with the metrics proxy and the K
 {{- $p = append $p (dict "name" "notify-zmq" "port" (int $v.ports.proxyNotification) "field" "ports.proxyNotification" "container" "" "service" false "from" list "doc" "") -}}
 {{- end -}}
 {{- if not $lmcache -}}
-{{- $p = append $p (dict "name" "nixl-side" "port" (int $v.ports.nixlSideChannel) "field" "ports.nixlSideChannel" "container" "vllm" "service" true "from" (list $other) "doc" "vLLM NixlConnector side channel (handshake metadata), from the other role.") -}}
+{{- $p = append $p (dict "name" "nixl-side" "port" (int $v.ports.nixlSideChannel) "field" "ports.nixlSideChannel" "container" "vllm" "service" true "from" (list $other) "doc" (printf "vLLM NixlConnector side channel (handshake metadata), from %s." $otherDoc)) -}}
 {{- $dp := int ((get $v $c).dataParallelSize | default 1) -}}
 {{- if gt $dp 1 -}}
 {{- /* Data-parallel rank i's side channel listens on ports.nixlSideChannel + i, on the pod that runs it
 (vLLM 0.31.0 / 0.33.0, nixl/base_scheduler.py); the router reaches only the API, so only the range's rule. */ -}}
-{{- $p = append $p (dict "name" "nixl-side-dp" "port" (add $v.ports.nixlSideChannel 1) "endPort" (add $v.ports.nixlSideChannel (sub $dp 1)) "field" "ports.nixlSideChannel" "container" "" "service" false "from" (list $other) "doc" "The side channels of data-parallel ranks 1 and up (ports.nixlSideChannel + rank), from the other role.") -}}
+{{- $p = append $p (dict "name" "nixl-side-dp" "port" (add $v.ports.nixlSideChannel 1) "endPort" (add $v.ports.nixlSideChannel (sub $dp 1)) "field" "ports.nixlSideChannel" "container" "" "service" false "from" (list $other) "doc" (printf "The side channels of data-parallel ranks 1 and up (ports.nixlSideChannel + rank), from %s." $otherDoc)) -}}
 {{- end -}}
 {{- end -}}
 {{- if and $v.networkPolicy.allowEphemeralKvPorts (eq (include "pd-inference.nixlBackend" .ctx) "UCX") -}}
-{{- $p = append $p (dict "name" "ucx-tcp" "port" 1024 "endPort" 65535 "field" "networkPolicy.allowEphemeralKvPorts" "container" "" "service" false "from" (list $other) "doc" "UCX over TCP moves KV on ephemeral ports; only the other role may use them. (Not with EFA:\nLIBFABRIC's RDMA bypasses the kernel and needs no rule.)") -}}
+{{- $p = append $p (dict "name" "ucx-tcp" "port" 1024 "endPort" 65535 "field" "networkPolicy.allowEphemeralKvPorts" "container" "" "service" false "from" (list $other) "doc" (printf "UCX over TCP moves KV on ephemeral ports; only %s may use them. (Not with EFA:\nLIBFABRIC's RDMA bypasses the kernel and needs no rule.)" $otherDoc)) -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $p -}}
@@ -203,14 +207,15 @@ Call with (dict "ctx" $ "component" "decode").
 {{- end -}}
 
 {{/*
-A component's NetworkPolicy egress rules to the release's other pods: to each other component, the
-ports of it whose `from` names this one. Call with (dict "ctx" $ "component" "prefill").
+A component's NetworkPolicy egress rules to the release's other pods: to each component that
+renders (its own included: flexible engines pull KV from each other), the ports of it whose `from`
+names this one. Call with (dict "ctx" $ "component" "prefill").
 */}}
 {{- define "pd-inference.egressRules" -}}
 {{- $ctx := .ctx -}}
 {{- $self := .component -}}
 {{- $lines := list -}}
-{{- range $peer := without (list "prefill" "decode" "router") $self -}}
+{{- range $peer := append (include "pd-inference.engineRoles" $ctx | fromJsonArray) "router" -}}
 {{- $ports := list -}}
 {{- range $p := include "pd-inference.ports" (dict "ctx" $ctx "component" $peer) | fromJsonArray -}}
 {{- if has $self $p.from -}}

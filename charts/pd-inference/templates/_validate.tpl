@@ -25,6 +25,31 @@ scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The
 {{- fail (printf "kvTransfer.connector: lmcache cannot serve %s: %s, and vLLM's LMCacheConnectorV1 does not support hybrid KV-cache models (no SupportsHMA in vLLM %s); use kvTransfer.connector: nixl, or a full-attention model" $v.model.name $why (index .Chart.Annotations "pd-inference.io/checked-vllm" | replace "," ", ")) -}}
 {{- end -}}
 
+{{- /* The flexible layout (engine.layout): one pool of decode engines, each NixlConnector kv_both. */ -}}
+{{- if include "pd-inference.flexible" . -}}
+{{- if $lmcache -}}
+{{- fail "kvTransfer.connector: lmcache cannot serve engine.layout flexible: an LMCache PD engine is a sender or a receiver (pd_role), never both, and a flexible engine takes either part; use kvTransfer.connector: nixl, or engine.layout: split" -}}
+{{- end -}}
+{{- if gt (int $v.prefill.replicas) 0 -}}
+{{- fail (printf "prefill.replicas: %d prefill engines with engine.layout flexible; set prefill.replicas: 0, every engine is a decode engine that also prefills (decode.replicas counts them)" (int $v.prefill.replicas)) -}}
+{{- end -}}
+{{- if $v.prefill.autoscaling.enabled -}}
+{{- fail "prefill.autoscaling.enabled: no prefill engine runs with engine.layout flexible (every engine is a decode engine that also prefills); autoscale the pool with decode.autoscaling instead" -}}
+{{- end -}}
+{{- /* NixlConnector's kv_both on a multi-node or data-parallel engine is not checked here (the
+real-engine tier runs one-node engines of one rank with it): refused until it is. */ -}}
+{{- if gt (int $v.decode.nodes) 1 -}}
+{{- fail (printf "decode.nodes: %d nodes per engine with engine.layout flexible; multi-node engines are not checked with NixlConnector kv_both, so set decode.nodes: 1 (or engine.layout: split)" (int $v.decode.nodes)) -}}
+{{- end -}}
+{{- if gt (int $v.decode.dataParallelSize) 1 -}}
+{{- fail (printf "decode.dataParallelSize: %d data-parallel ranks with engine.layout flexible; data-parallel engines are not checked with NixlConnector kv_both, so set decode.dataParallelSize: 1 (or engine.layout: split)" (int $v.decode.dataParallelSize)) -}}
+{{- end -}}
+{{- end -}}
+{{- /* The goodput decision names the prefiller and the decoder of each hand-off: NIXL only (pd_router.config). */ -}}
+{{- if and $lmcache (eq $v.router.decision "goodput") -}}
+{{- fail "router.decision: goodput needs kvTransfer.connector: nixl, as the router does (it names the prefiller and the decoder of each hand-off); use kvTransfer.connector: nixl, or router.decision: prefix or length" -}}
+{{- end -}}
+
 {{- /* One notification host in LMCache mode: several routers would miss each other's notifications. */ -}}
 {{- $single := eq (include "pd-inference.routerReceivesNotifications" .) "true" -}}
 {{- if and $single (gt (int $v.router.replicas) 1) -}}
@@ -157,7 +182,7 @@ have at most 44 (a longer one used to be cut, and the prefill pods then never go
 Prometheus label names. */ -}}
 {{- $qualified := "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$" -}}
 {{- $maps := dict "commonLabels" $v.commonLabels "metrics.serviceMonitor.labels" $v.metrics.serviceMonitor.labels "metrics.podMonitor.labels" $v.metrics.podMonitor.labels "metrics.prometheusRule.labels" $v.metrics.prometheusRule.labels "metrics.grafanaDashboard.labels" $v.metrics.grafanaDashboard.labels "metrics.grafanaDashboard.annotations" $v.metrics.grafanaDashboard.annotations "router.service.annotations" $v.router.service.annotations "router.serviceAccount.annotations" $v.router.serviceAccount.annotations "engine.serviceAccount.annotations" $v.engine.serviceAccount.annotations -}}
-{{- range $role := list "prefill" "decode" "router" -}}
+{{- range $role := append (include "pd-inference.engineRoles" . | fromJsonArray) "router" -}}
 {{- range $m := list "podLabels" "podAnnotations" "nodeSelector" -}}
 {{- $_ := set $maps (printf "%s.%s" $role $m) (get (get $v $role) $m) -}}
 {{- end -}}
@@ -195,7 +220,7 @@ generated from pd_router.config). */ -}}
 {{- fail (printf "commonLabels.%s: this label is set by the chart" $key) -}}
 {{- end -}}
 {{- end -}}
-{{- range $role := list "prefill" "decode" "router" -}}
+{{- range $role := append (include "pd-inference.engineRoles" . | fromJsonArray) "router" -}}
 {{- range $key, $_ := (get $v $role).podLabels | default dict -}}
 {{- if or (hasKey $owned $key) (hasKey ($v.commonLabels | default dict) $key) -}}
 {{- fail (printf "%s.podLabels.%s: this label is set by the chart (or commonLabels); pod labels cannot override it" $role $key) -}}
@@ -234,7 +259,8 @@ definition carries the quantity pattern (ci/chartdoc.py QUANTITY_PATTERN). */ -}
 {{- end -}}
 
 {{- $instanceTypes := include "pd-inference.instanceTypes" . | fromYaml -}}
-{{- range $role := list "prefill" "decode" -}}
+{{- /* The roles that render: what is not rendered needs no check. */ -}}
+{{- range $role := include "pd-inference.engineRoles" . | fromJsonArray -}}
 {{- $r := get $v $role -}}
 {{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
 accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
@@ -478,15 +504,16 @@ the zone when every term has an expression that excludes it. */ -}}
 
 {{/*
 Ports (templates/_ports.tpl): a per-rank port past 65535, or two ports of one pod on the same
-number. Checked for both connectors, the metrics proxy and the KV-cache event ports included, so
-that switching any of them later cannot collide.
+number, in the pods that render (pd-inference.engineRoles and the router). Checked for both
+connectors, the metrics proxy and the KV-cache event ports included, so that switching any of them
+later cannot collide.
 */}}
 {{- define "pd-inference.validate.ports" -}}
 {{- $v := .Values -}}
 {{- $current := $v.kvTransfer.connector -}}
 {{- range $connector := list $current (ternary "nixl" "lmcache" (eq $current "lmcache")) -}}
 {{- $mode := ternary "" (printf " with kvTransfer.connector %s" $connector) (eq $connector $current) -}}
-{{- range $component := list "prefill" "decode" "router" -}}
+{{- range $component := append (include "pd-inference.engineRoles" $ | fromJsonArray) "router" -}}
 {{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true "kvEvents" true) | fromJsonArray -}}
 {{- $last := dict -}}
 {{- range $p := $ports -}}

@@ -93,6 +93,9 @@ def parse(case: dict) -> dict:
             "kv_buffer_device": kv.kv_buffer_device,
             "kv_load_failure_policy": getattr(kv, "kv_load_failure_policy", None),
             "kv_connector_extra_config": kv.kv_connector_extra_config,
+            # the parts vLLM lets this engine take: a hand-off's prefill side, its decode side, or both (kv_both)
+            "is_kv_producer": kv.is_kv_producer,
+            "is_kv_consumer": kv.is_kv_consumer,
         }
         cls = KVConnectorFactory.get_connector_class(kv)
         out["connector_class"] = cls.__name__

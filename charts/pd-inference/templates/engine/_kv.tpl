@@ -30,10 +30,17 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
 {{- end -}}
 {{- else -}}
 {{- $extra := dict "backends" (list (include "pd-inference.nixlBackend" .ctx)) -}}
-{{- /* Producer on prefill, consumer on decode: vLLM 0.31 and 0.33 deprecate kv_both for
+{{- /* Split: producer on prefill, consumer on decode. vLLM 0.31 and 0.33 deprecate kv_both for
 NixlConnector ("set kv_producer for prefill instances and kv_consumer for decode instances",
-kv_connector/v1/nixl/connector.py); a consumer still serves whole requests (short prompts, fallbacks). */ -}}
+kv_connector/v1/nixl/connector.py); a consumer still serves whole requests (short prompts,
+fallbacks). Flexible (engine.layout): kv_both all the same, on the decode engines, the only
+ones: each prefills for another and decodes what another prefilled, and an engine that takes
+either part needs kv_both; those vLLM versions log their deprecation warning for it at start-up
+and run it. */ -}}
 {{- $role := ternary "kv_producer" "kv_consumer" (eq .role "prefill") -}}
+{{- if include "pd-inference.flexible" .ctx -}}
+{{- $role = "kv_both" -}}
+{{- end -}}
 {{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" $role "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra -}}
 {{- end -}}
 {{- toJson $cfg -}}

@@ -111,9 +111,10 @@ limits:
 
 {{/*
 Affinity: <role>.affinity plus, with placement.sameZone (and no pinned zone), a required pod
-affinity to the prefillers' zone. Prefillers follow each other (a required self-affinity lets the
-first one land anywhere), decoders follow the prefillers. Mutual required affinity between the
-roles would deadlock: neither could be scheduled first. Empty when none.
+affinity to the zone of the first engine role (pd-inference.engineRoles). Split: prefillers follow
+each other (a required self-affinity lets the first one land anywhere), decoders follow the
+prefillers. Mutual required affinity between the roles would deadlock: neither could be scheduled
+first. Flexible: the decoders, the only role, follow each other. Empty when none.
 */}}
 {{- define "pd-inference.engine.affinity" -}}
 {{- $v := .ctx.Values -}}
@@ -121,8 +122,9 @@ roles would deadlock: neither could be scheduled first. Empty when none.
 {{- if and $v.placement.sameZone (not $v.placement.zone) -}}
 {{- $podAffinity := get $affinity "podAffinity" | default dict -}}
 {{- $terms := get $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default list -}}
-{{- $prefillSelector := include "pd-inference.selectorLabels" (dict "ctx" .ctx "component" "prefill") | fromYaml -}}
-{{- $terms = append $terms (dict "topologyKey" "topology.kubernetes.io/zone" "labelSelector" (dict "matchLabels" $prefillSelector)) -}}
+{{- $anchor := first (include "pd-inference.engineRoles" .ctx | fromJsonArray) -}}
+{{- $anchorSelector := include "pd-inference.selectorLabels" (dict "ctx" .ctx "component" $anchor) | fromYaml -}}
+{{- $terms = append $terms (dict "topologyKey" "topology.kubernetes.io/zone" "labelSelector" (dict "matchLabels" $anchorSelector)) -}}
 {{- $_ := set $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" $terms -}}
 {{- $_ := set $affinity "podAffinity" $podAffinity -}}
 {{- end -}}

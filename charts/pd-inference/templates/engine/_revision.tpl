@@ -10,8 +10,9 @@ What it covers, and why (vLLM 0.31.0 / 0.33.0): the weights and what decides the
 (model.name, model.revision, the engine image, --dtype, --quantization, --hf-overrides,
 --load-format), the tokens the KV is for (--tokenizer, --tokenizer-revision), and the KV's
 layout and format (--kv-cache-dtype, --calculate-kv-scales, --block-size, --attention-backend,
-the connector, its NIXL backend and LMCache's chunk size), from prefill.extraArgs and
-decode.extraArgs alike. NixlConnector's own handshake hash covers the model string, dtype,
+the connector, its NIXL backend and LMCache's chunk size), from the extraArgs of every role
+that renders (pd-inference.engineRoles: prefill and decode, or decode alone), and the flexible
+layout (below). NixlConnector's own handshake hash covers the model string, dtype,
 head shapes, attention backend and cache dtype but not the revision or the weights
 (kv_connector/v1/nixl metadata compute_nixl_compatibility_hash); block size and TP are
 checked at its handshake. Left out on purpose: each role's tensor-parallel size (NixlConnector
@@ -22,7 +23,7 @@ everything only the router reads (a router or alert change restarts no engine).
 {{- $v := .Values -}}
 {{- $kvFlags := list "--dtype" "--quantization" "--hf-overrides" "--load-format" "--tokenizer" "--tokenizer-revision" "--kv-cache-dtype" "--calculate-kv-scales" "--block-size" "--attention-backend" -}}
 {{- $flags := dict -}}
-{{- range $role := list "prefill" "decode" -}}
+{{- range $role := include "pd-inference.engineRoles" . | fromJsonArray -}}
 {{- $args := (get $v $role).extraArgs | default list -}}
 {{- range $i, $a := $args -}}
 {{- $a = toString $a -}}
@@ -48,6 +49,13 @@ everything only the router reads (a router or alert change restarts no engine).
 -}}
 {{- if eq $v.kvTransfer.connector "lmcache" -}}
 {{- $_ := set $in "lmcacheChunkSize" (int $v.kvTransfer.lmcache.chunkSize) -}}
+{{- end -}}
+{{- /* Only in flexible, so a split release keeps its revision. The layout sets every engine's
+kv_role (kv_both), which vLLM's scheduler acts on (is_kv_producer, is_kv_consumer in
+v1/core/sched/scheduler.py): a switch is a new revision, so while the decode StatefulSet rolls
+the router pairs no engine from before it with one from after it. */ -}}
+{{- if include "pd-inference.flexible" . -}}
+{{- $_ := set $in "layout" $v.engine.layout -}}
 {{- end -}}
 {{- toJson $in | sha256sum | trunc 10 -}}
 {{- end -}}

@@ -9,8 +9,6 @@ loader, pd_router.config.load_config, validates it and tests/ load every rendere
 connector, and kvEvents the KV-cache event ports whether or not the engines publish them. */ -}}
 {{- $port := dict
   "listen" (include "pd-inference.port" (dict "ctx" . "component" "router" "name" "http") | int)
-  "prefill" (include "pd-inference.port" (dict "ctx" . "component" "prefill" "name" "http") | int)
-  "decode" (include "pd-inference.port" (dict "ctx" . "component" "decode" "name" "http") | int)
   "notify" (include "pd-inference.port" (dict "ctx" . "component" "router" "name" "pd-notify" "connector" "lmcache" "receiver" "router") | int)
   "sidecar" (include "pd-inference.port" (dict "ctx" . "component" "prefill" "name" "notify-sidecar" "connector" "lmcache" "receiver" "prefillSidecar") | int)
   "init" (include "pd-inference.portNumbers" (dict "ctx" . "component" "decode" "field" "ports.lmcacheInitBase" "connector" "lmcache") | fromJsonArray)
@@ -30,9 +28,7 @@ connector, and kvEvents the KV-cache event ports whether or not the engines publ
     "prefixCache" (dict "capacityTokens" (int $r.prefixCache.capacityTokens) "maxLoadImbalance" (int $r.prefixCache.maxLoadImbalance))
     "prefillBusy" (dict "queuedTokens" (int $r.prefillBusy.queuedTokens) "maxDecoderRequests" (int $r.prefillBusy.maxDecoderRequests))
     "kvEvents" (dict "enabled" $v.engine.kvEvents.enabled "port" $port.kvEvents "replayPort" $port.kvReplay "topic" (include "pd-inference.kvEventsTopic" .)))
-  "pools" (dict
-    "prefill" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "prefill")) "port" $port.prefill "refreshSeconds" (int $r.discoveryRefreshSeconds)))
-    "decode" (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" . "component" "decode")) "port" $port.decode "refreshSeconds" (int $r.discoveryRefreshSeconds))))
+  "pools" dict
   "lmcache" (dict
     "notifyBindHost" "0.0.0.0"
     "notifyPort" $port.notify
@@ -48,6 +44,25 @@ connector, and kvEvents the KV-cache event ports whether or not the engines publ
   "auth" (dict "apiKeysFile" (ternary (printf "%s/%s" (include "pd-inference.routerKeysDir" .) $r.auth.secretKey) "" (not (empty $r.auth.existingSecret))) "protectMetrics" $r.auth.protectMetrics "metricsTokensFile" (ternary (printf "%s/%s" (include "pd-inference.routerMetricsTokenDir" .) $r.auth.metricsTokenSecret.key) "" (not (empty $r.auth.metricsTokenSecret.name))))
   "logging" (dict "level" $r.logLevel "logPrompts" $r.logPrompts)
 -}}
+{{- /* One pool per engine role that renders, each the role's headless Service. Flexible: decode
+alone and pools.layout (the router refuses a pools.prefill there); split renders no layout key,
+the router's default, so a split release's config is unchanged. */ -}}
+{{- range $role := include "pd-inference.engineRoles" . | fromJsonArray -}}
+{{- $_ := set $cfg.pools $role (dict "discovery" "dns" "static" list "dns" (dict "name" (include "pd-inference.serviceFqdn" (dict "ctx" $ "component" $role)) "port" (include "pd-inference.port" (dict "ctx" $ "component" $role "name" "http") | int) "refreshSeconds" (int $r.discoveryRefreshSeconds))) -}}
+{{- end -}}
+{{- if include "pd-inference.flexible" . -}}
+{{- $_ := set $cfg.pools "layout" $v.engine.layout -}}
+{{- end -}}
+{{- /* The goodput decision's SLOs, only with it: other releases keep their config, and so their pods. */ -}}
+{{- if eq $r.decision "goodput" -}}
+{{- $g := $r.goodput -}}
+{{- $_ := set $cfg.routing "goodput" (dict
+  "ttftSeconds" $g.ttftSeconds
+  "ttftSecondsPerKiloToken" $g.ttftSecondsPerKiloToken
+  "itlSeconds" $g.itlSeconds
+  "windowSeconds" $g.windowSeconds
+  "seed" (dict "prefillTokensPerSecond" $g.seed.prefillTokensPerSecond "decodeStepSeconds" $g.seed.decodeStepSeconds "handoffSeconds" $g.seed.handoffSeconds)) -}}
+{{- end -}}
 {{- /* Only when on: a release that does not trace keeps its router config, and so its pods. */ -}}
 {{- if include "pd-inference.tracing.on" . -}}
 {{- $t := $v.tracing -}}
@@ -58,7 +73,10 @@ connector, and kvEvents the KV-cache event ports whether or not the engines publ
   "serviceName" (include "pd-inference.componentName" (dict "ctx" . "component" "router"))
   "headersFile" (ternary (printf "%s/%s" (include "pd-inference.tracing.headersDir" .) $t.headersSecret.key) "" (not (empty $t.headersSecret.name)))) -}}
 {{- end -}}
-{{- toYaml $cfg -}}
+{{- /* Go writes a float of no fraction in exponent form without a point (1e-05, 1e+06), which
+YAML 1.1 (the router's PyYAML) reads as a string: give such a mantissa its point. Quoted strings
+are never touched (Go quotes a string that reads as a number). */ -}}
+{{- regexReplaceAll "(?m)(: -?[0-9]+)([eE][-+][0-9]+)$" (toYaml $cfg) "${1}.0${2}" -}}
 {{- end -}}
 
 {{/*
