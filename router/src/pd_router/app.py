@@ -30,6 +30,7 @@ from pd_router import balancing, hub_tokenizer, revision, tracing
 from pd_router.admission import Admission, Reject
 from pd_router.auth import ApiKeys
 from pd_router.config import ConfigError, RouterConfig
+from pd_router.costs import DEFAULT_OUTPUT_TOKENS, CostModel, Meter
 from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
@@ -37,6 +38,7 @@ from pd_router.handoff import DirectRoute, Route, build_route, run
 from pd_router.http1 import Answer, BodyError, HttpServer, Request, Response, Routes
 from pd_router.kv_events import KvEventIndex
 from pd_router.legs import Downstream, Legs
+from pd_router.lengths import requested_max_tokens
 from pd_router.logs import AccessLog
 from pd_router.metrics import MULTIPROC_ENV, Metrics
 from pd_router.openai_wire import (
@@ -135,12 +137,19 @@ class Router:
             on_change(pool)
             sync_events(pool)
 
-        self.prefill = EndpointPool(
-            "prefill", cfg.pools.prefill, cfg.health, on_pool_change, cfg.model.served_name, kv
-        )
         self.decode = EndpointPool(
             "decode", cfg.pools.decode, cfg.health, on_pool_change, cfg.model.served_name, kv
         )
+        # pools.layout flexible: one pool, its engines in both roles (the legs, the hand-off
+        # and the decision see the same endpoints as prefillers and decoders)
+        self.prefill = (
+            self.decode
+            if cfg.pools.layout == "flexible"
+            else EndpointPool(
+                "prefill", cfg.pools.prefill, cfg.health, on_pool_change, cfg.model.served_name, kv
+            )
+        )
+        self.pools = (self.decode,) if self.prefill is self.decode else (self.prefill, self.decode)
         self.keys = ApiKeys(cfg.auth.api_keys_file)
         self.metrics_tokens = ApiKeys(
             cfg.auth.metrics_tokens_file, field="auth.metricsTokensFile", env_var=""
@@ -157,7 +166,9 @@ class Router:
         self.legs = Legs(
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, cfg.model.served_name
         )
-        self.decider = Decider(cfg.routing, self.counter, self.events)
+        # the goodput decision's cost model (pd_router.costs), learnt from the legs' calls
+        self.costs = CostModel(routing.goodput) if routing.decision == "goodput" else None
+        self.decider = Decider(cfg.routing, self.counter, self.events, self.costs)
         self.decider.base_names = (cfg.model.served_name,)
         # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)
@@ -217,7 +228,7 @@ class Router:
         )
         if self.events is not None:  # before discovery: its first engines are watched at once
             self.events.start(lambda outcome: self.metrics.kv_event_batches.labels(outcome).inc())
-        await asyncio.gather(self.prefill.start(self.session), self.decode.start(self.session))
+        await asyncio.gather(*(p.start(self.session) for p in self.pools))
         loop = asyncio.get_running_loop()
         if self.cfg.auth.api_keys_file or self.cfg.auth.metrics_tokens_file:
             self._bg.append(loop.create_task(self._keys_loop()))
@@ -234,7 +245,7 @@ class Router:
         """In-flight and outstanding counts, kept as gauges only when read: at a scrape, and
         every second in a worker (a scrape answered by another worker reads this one's)."""
         self.metrics.in_flight.set(self.admission.in_flight)
-        for pool in (self.prefill, self.decode):
+        for pool in self.pools:
             self.metrics.outstanding.labels(pool.name).set(
                 sum(e.active for e in pool.endpoints.values())
             )
@@ -247,8 +258,8 @@ class Router:
     async def stop(self) -> None:
         for t in self._bg:
             t.cancel()
-        await self.prefill.stop()
-        await self.decode.stop()
+        for pool in self.pools:
+            await pool.stop()
         await self.disaggregated.stop()
         if self.events is not None:
             self.events.stop()
@@ -355,7 +366,7 @@ class Router:
         """``GET /v1/models`` of up to two healthy engines (decoders first), each within
         ``health.timeoutSeconds``; [] when none answers with a card of the served model."""
         t = self.cfg.health.timeout_seconds
-        for ep in [*self.decode.healthy, *self.prefill.healthy][:2]:
+        for ep in [e for p in self.pools for e in p.healthy][:2]:
             try:
                 async with asyncio.timeout(t):
                     r = await self.up.get(ep.host, ep.port, ep.tls, "/v1/models", b"", t, t)
@@ -587,6 +598,7 @@ class Router:
         d = await decider.decide(
             ctx.body, ctx.chat, functools.partial(self._engine_count, ctx), pools
         )
+        ctx.t_decided = time.perf_counter()
         out.counted(d.source, d.tokens)
         if d.reason == "batch":
             out.batch(batch_reason(ctx.body, ctx.chat) or "n")
@@ -600,6 +612,21 @@ class Router:
             ctx.cached, ctx.cached_source = d.matched, d.estimate
             # what it will hold once this prompt is prefilled there (or its KV lands there)
             decider.remember(d.decoder, d.blocks, self.decode.endpoints.values())
+            if d.prefiller is not None and self.prefill is self.decode:
+                decider.remember(d.prefiller, d.blocks, self.decode.endpoints.values())
+        o = d.option
+        if o is not None and self.costs is not None:
+            ctx.predicted = o
+            ctx.prefiller = o.prefiller
+            out_tokens = requested_max_tokens(ctx.body, ctx.chat)
+            ctx.meter = Meter(
+                self.costs,
+                d.tokens or 1,
+                d.held or {},
+                out_tokens if type(out_tokens) is int and out_tokens > 0 else DEFAULT_OUTPUT_TOKENS,
+                ctx.stream,
+                o.ttft,
+            )
         route = self.disaggregated if d.disaggregate else self.direct
         if tr is not None:
             self._trace_decision(ctx, d)
@@ -624,6 +651,11 @@ class Router:
             a["pd.decoder"] = ctx.decoder.base
         if ctx.prefiller is not None:
             a["pd.prefiller"] = ctx.prefiller.base
+        o = ctx.predicted
+        if o is not None:
+            a["pd.predicted.ttft_ms"] = round(o.ttft * 1000, 1)
+            a["pd.predicted.itl_ms"] = round(o.itl * 1000, 1)
+            a["pd.predicted.misses"] = o.misses
         tr.end(span)
         tr.current = tr.root
 

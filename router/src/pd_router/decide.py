@@ -37,10 +37,13 @@ from typing import Any
 
 from pd_router import balancing
 from pd_router.config import Routing
+from pd_router.costs import CostModel
 from pd_router.discovery import Endpoint
 from pd_router.failures import TokenizeError
 from pd_router.kv_events import Identity, KvEventIndex, identity_of
+from pd_router.lengths import requested_max_tokens
 from pd_router.openai_wire import is_batch
+from pd_router.plan import Option, Planner
 from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex, identity
 from pd_router.tokens import (
     INLINE_BYTES,
@@ -83,6 +86,10 @@ class Decision:
     # router's own index, pd_router.prefix), "" (not estimated)
     estimate: str = ""
     prefiller: Endpoint | None = None  # the prefiller holding the longest prefix (events only)
+    # decision goodput: the option taken, with its predictions, and the prompt tokens each
+    # engine weighed was taken to hold (pd_router.plan)
+    option: Option | None = None
+    held: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +112,19 @@ class Pools:
 
 class Decider:
     def __init__(
-        self, routing: Routing, counter: TokenCounter, events: KvEventIndex | None = None
+        self,
+        routing: Routing,
+        counter: TokenCounter,
+        events: KvEventIndex | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         self.threshold = routing.threshold
         self.counter = counter
         pc = routing.prefix_cache
-        prefix = routing.decision == "prefix"
+        # the goodput decision reads what the engines hold as the prefix decision does
+        prefix = routing.decision in ("prefix", "goodput")
+        self.costs = costs if routing.decision == "goodput" else None
+        self.planner = Planner(costs) if self.costs is not None else None
         self.index = PrefixIndex(pc.capacity_tokens) if prefix else None
         self.imbalance = pc.max_load_imbalance
         self.busy_tokens = routing.prefill_busy.queued_tokens
@@ -126,6 +140,8 @@ class Decider:
         th = self.threshold
         if is_batch(body, chat):
             return Decision(False, "skipped", "batch")
+        if self.planner is not None:
+            return await self._goodput(body, chat, tokenize, pools)
         if th == 0:
             return Decision(True, "skipped", "always")
         c = await self._count(body, chat, tokenize)
@@ -160,6 +176,95 @@ class Decider:
         return Decision(
             disagg, c.source, reason, c.tokens, c.exact, c.ids, dec, matched, blocks, est, pre
         )
+
+    async def _goodput(
+        self, body: dict[str, Any], chat: bool, tokenize: Tokenize, pools: Pools
+    ) -> Decision:
+        """``routing.decision: goodput`` (pd_router.plan). A text prompt is first weighed at
+        its upper bound (bytes + template allowance): when no split could win even then, it is
+        served whole without counting it (``bound``); otherwise it is counted exactly and each
+        engine's share of it found, as the prefix decision finds the decoder's."""
+        planner, costs, index = self.planner, self.costs, self.index
+        assert planner is not None and costs is not None and index is not None
+        now = costs.clock()
+        out = requested_max_tokens(body, chat)
+        out = out if type(out) is int else None
+        seed, data = identity(body, chat)
+        ids = None if chat else token_ids_prompt(body)
+        if ids is not None:
+            c = Count("tokens", len(ids), True, ids)
+        else:
+            text = prompt_text(body, chat)
+            allowance = template_allowance(body, chat)
+            raw = text.encode("utf-8", "surrogatepass")
+            upper = len(raw) + allowance
+            first = planner.choose(upper, _none, pools.decoders, pools.prefillers, out, now)
+            if first is not None and first.reason == "handoff_not_worth":
+                est = costs.estimate(len(raw)) + allowance
+                blocks = index.of_text(data, max(0, est - allowance), seed)
+                dec = first.option.decoder
+                held, src = self._held(dec, blocks, None)
+                matched = min(held, est - 1)
+                opt = planner.whole(
+                    dec, max(1, est - matched), out or 0, costs.ttft_bound(est), now
+                )
+                return Decision(
+                    False, "bound", "handoff_not_worth", est, False, None, dec, matched, blocks,
+                    src, None, opt, {dec.base: matched},
+                )  # fmt: skip
+            c = await self._count_exactly(body, chat, text, raw, allowance, tokenize)
+            if c.exact:
+                costs.counted(len(raw), c.tokens - allowance)
+        if c.source == "tokens":
+            blocks = index.of_ids(c.ids or [], seed)
+        else:
+            blocks = index.of_text(data, c.text_tokens, seed)
+        exact = None
+        if self.events is not None:
+            exact, c = await self._exact(body, chat, c, tokenize, pools)
+        held: dict[str, int] = {}
+        sources: dict[str, str] = {}
+        for ep in (*pools.decoders, *pools.prefillers):
+            if ep.base not in held:
+                n, src = self._held(ep, blocks, exact)
+                # vLLM recomputes at least the prompt's last token (kv_cache_manager.py, 0.31.0)
+                held[ep.base], sources[ep.base] = min(n, max(0, c.tokens - 1)), src
+        choice = planner.choose(
+            c.tokens, lambda ep: held[ep.base], pools.decoders, pools.prefillers, out, now
+        )
+        if choice is None:  # no healthy decoder: the route answers that
+            return Decision(False, c.source, "handoff_not_worth", c.tokens, c.exact, c.ids)
+        o = choice.option
+        dec = o.decoder
+        return Decision(
+            o.prefiller is not None, c.source, choice.reason, c.tokens, c.exact, c.ids, dec,
+            held[dec.base], blocks, sources[dec.base], o.prefiller, o, held,
+        )  # fmt: skip
+
+    async def _count_exactly(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        text: str,
+        raw: bytes,
+        allowance: int,
+        tokenize: Tokenize,
+    ) -> Count:
+        """The prompt's exact size for the goodput decision: the local tokenizer (off the loop
+        for long texts), else an engine's /tokenize, else bytes / 4."""
+        counter = self.counter
+        if counter.local is not None:
+            if len(raw) <= INLINE_BYTES:
+                n = counter.local_count(text, allowance)
+            else:
+                n = await counter.count(text, allowance)
+            return Count("tokenizer", n, True, allowance=allowance)
+        try:
+            ids = await tokenize(body, chat)
+        except TokenizeError:
+            est = max(1, (len(raw) + allowance) // BYTES_PER_TOKEN)
+            return Count("estimate", est, allowance=allowance)
+        return Count("engine", len(ids), True, ids, allowance)
 
     async def _exact(
         self, body: dict[str, Any], chat: bool, c: Count, tokenize: Tokenize, pools: Pools
@@ -287,3 +392,7 @@ class Decider:
         except TokenizeError:
             return Count("estimate", max(1, nbytes // BYTES_PER_TOKEN), allowance=allowance)
         return Count("engine", len(ids), True, ids, allowance)
+
+
+def _none(ep: Endpoint) -> int:
+    return 0

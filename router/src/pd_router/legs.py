@@ -174,6 +174,8 @@ class Legs:
         self.up = up
         self.prefill_pool = prefill
         self.decode_pool = decode
+        # pools.layout flexible: one pool in both roles (an engine never prefills for itself)
+        self.flexible = prefill is decode
         self.outcomes = outcomes
         self.served = served
         self.t_tokenize = min(30.0, timeouts.first_byte_seconds)
@@ -194,6 +196,7 @@ class Legs:
         exclude: Sequence[Endpoint] = (),
         retry_data: bytes | None = None,
         named: bool = False,
+        kv_source: Endpoint | None = None,
     ) -> tuple[Response, Endpoint]:
         """Open a response on a decoder: ``prefer`` first (the one holding a KV), then the
         balancer's choice, retrying other decoders on failures before the first byte (connect
@@ -204,7 +207,10 @@ class Legs:
         once when no other is left. ``named``: ``data`` names a KV revision's model
         (pd_router.revision), so a 404 is the decoder refusing that revision: it is asked its
         revision anew and ``retry_data`` goes out instead (fallback ``no_revision_pair``).
-        Raises the last :class:`LegError`."""
+        ``kv_source``: the engine that prefilled ``data``'s KV (flexible layout: it is a
+        decoder too); it is never sent its own ``kv_transfer_params`` (vLLM 0.31/0.33 do not
+        guard a handshake with themselves), only ``retry_data``. Raises the last
+        :class:`LegError`."""
         pool = self.decode_pool
         out = self.outcomes
         idle = self.t.stream_idle_seconds if stream else self.t.first_byte_seconds
@@ -233,21 +239,22 @@ class Legs:
                 raise last or LegError.no_decoder()
             if tried:
                 out.retry("decode")
-                if retry_data is not None and data is not retry_data:
-                    data = retry_data
-                    if last is not None and last.kind == "revision":
-                        out.fallback(ctx, "no_revision_pair")
-                    else:
-                        out.fallback(ctx, "decode_retry")
+            if (tried or ep is kv_source) and retry_data is not None and data is not retry_data:
+                data = retry_data
+                if last is not None and last.kind == "revision":
+                    out.fallback(ctx, "no_revision_pair")
+                else:
+                    out.fallback(ctx, "decode_retry")
             tried.append(ep)
             span = leg_span(ctx, "decode", ep, path)
             if span is not None:
                 span.attrs["pd.attempt"] = len(tried)
                 if retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
                     span.attrs["pd.kv_transfer_params"] = data is not retry_data
+            kv = retry_data is not None and data is not retry_data
             try:
                 resp = await self._try_decoder(
-                    ctx, ep, path, data, stream, idle, named and data is not retry_data, span
+                    ctx, ep, path, data, stream, idle, named and kv, span, kv
                 )
             except LegError as err:
                 if span is not None:
@@ -280,13 +287,18 @@ class Legs:
         idle: float,
         named: bool = False,
         span: Span | None = None,
+        kv: bool = False,
     ) -> Response:
         """One try. A stream is only handed on once it has begun (:func:`stream_opening`: vLLM
         sends the headers at once, then the role, then the first token), so a decoder that
         accepts a stream and then dies, stalls for ``firstByteSeconds`` or ends it empty is
-        still retried."""
+        still retried. ``kv``: ``data`` carries a prefiller's ``kv_transfer_params``."""
         fb = self.t.first_byte_seconds
-        lease = Lease(ep)
+        meter = ctx.meter
+        kind = "decode" if kv else "whole"
+        job = None if meter is None else meter.job(ep.base, ep.generation, kind)
+        ctx.job = job
+        lease = Lease(ep, 0, job)
         started = time.monotonic()
         try:
             resp = await self.up.post(
@@ -324,6 +336,8 @@ class Legs:
                     head = resp.peek()
                     opening = stream_opening(head)
                     if opening == "began":
+                        if job is not None:
+                            job.first(job.costs.clock())
                         break
                     if opening == "empty" or resp.complete:
                         raise LegError("stream", 502)
@@ -356,7 +370,9 @@ class Legs:
         (``prefill_refused``). ``report_success``: off where the hand-off has more to prove
         (LMCache: its notification)."""
         with LegSpan(ctx, "prefill", ep, path) as span:
-            lease = Lease(ep, ntok)
+            meter = ctx.meter
+            job = None if meter is None else meter.job(ep.base, ep.generation, "prefill")
+            lease = Lease(ep, ntok, job)
             ps = self.t.prefill_seconds
             try:
                 # headers within prefillSeconds, then no gap longer than prefillSeconds
@@ -393,6 +409,8 @@ class Legs:
                 raise self.prefill_broken(ep, LegError("bad_response", 502)) from None
             if report_success:
                 self.prefill_pool.report_success(ep)
+            if job is not None:
+                job.answered()
             return answer
 
     def prefill_broken(self, ep: Endpoint, err: LegError) -> Fallback:
@@ -501,6 +519,7 @@ class Legs:
         or through ``relabel(chunk) -> bytes``. Owns ``resp`` (and so its lease)."""
         out = self.outcomes
         itl_h = out.hist(ctx.route)[1]
+        job = ctx.job  # the goodput decision's cost model learns each gap (pd_router.costs)
         ok = False
         last = ctx.t_first
         loop = asyncio.get_running_loop()
@@ -520,6 +539,8 @@ class Legs:
                         now = time.perf_counter()
                         if last:
                             itl_h.observe(now - last)
+                            if job is not None:
+                                job.gap(now - last)
                         else:
                             ctx.t_first = now
                         last = now

@@ -62,7 +62,14 @@ DECIDED = (
     ("direct", "prefill_busy"),
     ("disaggregated", "always"),
     ("disaggregated", "above_threshold"),
+    # routing.decision goodput (pd_router.plan)
+    ("direct", "handoff_not_worth"),
+    ("direct", "whole_best"),
+    ("disaggregated", "split_protects_itl"),
+    ("disaggregated", "split_faster"),
 )
+# observed / predicted time to first token (routing.decision goodput, streamed answers)
+_RATIO = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 # pd_router_batch_requests_total{reason}: openai_wire.batch_reason (n > 1, several prompts)
 BATCH_REASONS = ("n", "prompts")
 SIDECAR_OUTCOMES = ("ok", "timeout", "error")
@@ -251,6 +258,14 @@ class Metrics:
             "collector took them), failed (the exporter gave up on its batch), dropped (the "
             "export queue was full)",
             ["outcome"],
+            registry=r,
+        )
+        self.ttft_prediction = Histogram(
+            "pd_router_ttft_prediction_ratio",
+            "Observed over predicted time to first token of streamed requests, from the "
+            "decision (routing.decision goodput): the cost model's error",
+            ["route"],
+            buckets=_RATIO,
             registry=r,
         )
         self.passthrough = Counter(

@@ -18,8 +18,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pd_router.costs import Job, Meter
 from pd_router.discovery import Endpoint
 from pd_router.metrics import FALLBACK_REASONS, FallbackReason, Metrics
+from pd_router.plan import Option
 from pd_router.tracing import Trace
 
 DIRECT = "direct"
@@ -58,8 +60,11 @@ class Ctx:
         "fwd",
         "headers",
         "ids",
+        "job",
+        "meter",
         "outcome",
         "path",
+        "predicted",
         "prefiller",
         "ptok",
         "raw",
@@ -69,6 +74,7 @@ class Ctx:
         "route",
         "stream",
         "t0",
+        "t_decided",
         "t_end",
         "t_first",
         "trace",
@@ -111,6 +117,12 @@ class Ctx:
         self.stream = False
         self.ptok = 0  # prompt tokens as the decision saw them, exact or estimated; 0: uncounted
         self.ids: list[int] | None = None  # prompt token ids when known (reused by LMCache)
+        # decision goodput (pd_router.plan): the option taken with its predictions, the
+        # request's tie to the cost model, the decoder call now answering, when it was decided
+        self.predicted: Option | None = None
+        self.meter: Meter | None = None
+        self.job: Job | None = None
+        self.t_decided = 0.0
 
     def reply_headers(self) -> dict[str, str]:
         h = {"x-pd-route": self.route, "x-pd-reason": self.reason, "x-request-id": self.rid}
@@ -118,6 +130,8 @@ class Ctx:
             h["x-pd-kv-revision"] = self.revision
         if self.cached_source:
             h["x-pd-cached-tokens"] = f"{self.cached}; source={self.cached_source}"
+        if self.predicted is not None:
+            h["x-pd-predicted"] = self.predicted.header()
         return h
 
 
@@ -133,6 +147,7 @@ class Outcomes:
         self._decisions: dict[tuple[str, str], Any] = {}
         self._estimates: dict[str, Any] = {}
         self._hist = {r: (m.ttft.labels(r), m.itl.labels(r), m.e2e.labels(r)) for r in ROUTES}
+        self._predicted = {r: m.ttft_prediction.labels(r) for r in ROUTES}
         self._sources = {s: m.token_count_source.labels(s) for s in COUNT_SOURCES}
         self._wait = {c: m.handoff_wait.labels(c) for c in ("nixl", "lmcache")}
 
@@ -180,6 +195,9 @@ class Outcomes:
         if hist is not None:
             if ctx.t_first:
                 hist[0].observe(ctx.t_first - ctx.t0)
+                p = ctx.predicted
+                if p is not None and ctx.stream and p.ttft > 0 and ctx.outcome == "ok":
+                    self._predicted[ctx.route].observe((ctx.t_first - ctx.t_decided) / p.ttft)
             if ctx.t_end:
                 hist[2].observe(ctx.t_end - ctx.t0)
         if ctx.decided:

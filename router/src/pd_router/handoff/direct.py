@@ -4,6 +4,7 @@ other endpoints reach a decoder (:meth:`DirectRoute.passthrough`)."""
 
 from __future__ import annotations
 
+from pd_router.discovery import Endpoint
 from pd_router.failures import LegError
 from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
@@ -30,13 +31,21 @@ class DirectRoute:
         data: bytes,
         retry_data: bytes | None = None,
         named: bool = False,
+        kv_source: Endpoint | None = None,
     ) -> Answer:
         """``data`` to a decoder (retries send ``retry_data`` when given; ``named``: ``data``
-        names a KV revision, Legs.open_decoder), relayed back."""
+        names a KV revision; ``kv_source``: the engine that prefilled it: Legs.open_decoder),
+        relayed back."""
         legs = self.legs
         try:
             resp, ep = await legs.open_decoder(
-                ctx, ctx.path, data, ctx.stream, retry_data=retry_data, named=named
+                ctx,
+                ctx.path,
+                data,
+                ctx.stream,
+                retry_data=retry_data,
+                named=named,
+                kv_source=kv_source,
             )
         except LegError as err:
             return legs.fail(ctx, down, err)

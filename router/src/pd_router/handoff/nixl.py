@@ -82,17 +82,18 @@ class NixlRoute:
         if min_tokens_above(body, requested_max_tokens(body, ctx.chat)):
             # invalid as sent (vLLM answers 400): no prefill for it
             raise Fallback("unsupported_fields")
-        if not legs.prefill_pool.healthy:
-            raise Fallback("no_prefiller")
+        prefillers = legs.prefill_pool.healthy
+        if not prefillers or (legs.flexible and len(prefillers) < 2):
+            raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
         chosen = balancing.pair(
-            legs.decode_pool.healthy, legs.prefill_pool.healthy, ctx.decoder, ctx.affinity
+            legs.decode_pool.healthy, prefillers, ctx.decoder, ctx.affinity, ctx.prefiller
         )
         if chosen is None:
             if not legs.decode_pool.healthy:
                 raise LegError.no_decoder()
             raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
         # (the prefix index was told of the decision's decoder; another one is chosen only
-        # while both roles roll)
+        # while both roles roll, or when the decision's engine left the pool)
         dec, ep = chosen
         ctx.decoder = dec
         ctx.route = DISAGG
@@ -112,5 +113,10 @@ class NixlRoute:
         # the blocks, and the prefiller frees them once pulled (vLLM v0.11 NixlConnector), so
         # the next decoder recomputes the prompt instead of reading blocks that may be reused.
         return await self.direct.send(
-            ctx, down, orjson.dumps(dbody), retry_data=ctx.raw, named=dbody is not kvbody
+            ctx,
+            down,
+            orjson.dumps(dbody),
+            retry_data=ctx.raw,
+            named=dbody is not kvbody,
+            kv_source=ep,
         )

@@ -1,0 +1,417 @@
+"""The sweep on one set of engines (any :class:`Backend`): calibrate the SLOs on the idle
+engines, measure colocated capacity per mix, then run every cell on each configuration in
+turn, the same arrivals for all three:
+
+- ``colocated``: every engine serves whole requests (one flexible pool, ``decision: prefix``
+  with a threshold no prompt reaches: the prefix-aware choice of engine, nothing split);
+- ``split``: today's fixed pools, half the engines prefill and half decode (``pools.layout:
+  split``, ``decision: prefix``, the chart's default threshold 1024);
+- ``goodput``: one flexible pool and ``decision: goodput`` with the run's SLOs.
+
+Cells: 3 mixes x 3 Poisson rates (0.3, 0.6 and 0.9 of the colocated capacity of that mix),
+a multi-turn chat, and an alternating workload (short-only and long-heavy phases); for the
+last, every engine's prompt tokens computed and tokens generated are read from its own metrics
+every second (who prefilled, who decoded, as the mix moved)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pd_router_dev.devstack import Proc
+from pd_router_dev.goodput import client, slo, workload
+from pd_router_dev.goodput.client import Record
+from pd_router_dev.goodput.slo import Slo, Unloaded
+
+SETUPS = ("colocated", "split", "goodput")
+RATE_FRACTIONS = (0.3, 0.6, 0.9)
+NEVER = 1 << 30  # a threshold no prompt reaches: colocated serving
+SPLIT_THRESHOLD = 1024  # the chart's router.threshold default: today's decision
+
+
+class Backend(Protocol):
+    name: str
+    model: str
+    engines: list[str]  # base URLs
+
+    def base_config(self) -> dict[str, Any]:
+        """A router config for these engines (listen, model, tokenizer, KV events...)."""
+
+    def start_router(self, name: str, config: dict[str, Any]) -> Proc: ...
+
+    def counters(self, url: str) -> tuple[float, float]:
+        """(prompt tokens computed, tokens generated) by that engine so far."""
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class Options:
+    duration: float = 30.0  # seconds of counted arrivals per cell
+    warmup: float = 5.0  # arrivals before it are sent, not counted
+    capacity_seconds: float = 20.0
+    clients_per_engine: int = 8  # closed-loop clients per engine when measuring capacity
+    seed: int = 33
+    mixes: tuple[str, ...] = tuple(m.name for m in workload.MIXES)
+    extras: bool = True  # the multi-turn chat and the alternating workload
+
+
+@dataclass
+class Cell:
+    workload: str
+    rate: float  # requests per second offered (chat: turns per second, roughly)
+    fraction: str  # of the colocated capacity: "0.3", ... or "" for the extras
+    goodput: dict[str, float] = field(default_factory=dict)  # setup -> good req/s
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(
+        default_factory=dict
+    )  # alternating: phase -> setup -> gp
+    timeline: list[dict[str, Any]] = field(default_factory=list)  # alternating, goodput setup
+
+    def ratio(self) -> float | None:
+        best = max(self.goodput.get("colocated", 0.0), self.goodput.get("split", 0.0))
+        new = self.goodput.get("goodput")
+        if new is None:
+            return None
+        return new / best if best > 0 else (1.0 if new == 0 else float("inf"))
+
+
+def router_configs(backend: Backend, s: Slo) -> dict[str, dict[str, Any]]:
+    base = backend.base_config()
+    engines = backend.engines
+    half = max(1, len(engines) // 2)
+    out = {}
+    c = copy.deepcopy(base)
+    c["pools"] = {"layout": "flexible", "decode": {"discovery": "static", "static": engines}}
+    c["routing"].update(decision="prefix", threshold=NEVER)
+    out["colocated"] = c
+    c = copy.deepcopy(base)
+    c["pools"] = {
+        "layout": "split",
+        "prefill": {"discovery": "static", "static": engines[:half]},
+        "decode": {"discovery": "static", "static": engines[half:]},
+    }
+    c["routing"].update(decision="prefix", threshold=SPLIT_THRESHOLD)
+    out["split"] = c
+    c = copy.deepcopy(base)
+    c["pools"] = {"layout": "flexible", "decode": {"discovery": "static", "static": engines}}
+    c["routing"].update(decision="goodput", goodput=s.router())
+    out["goodput"] = c
+    return out
+
+
+def words_per_token(backend: Backend) -> float:
+    """Words of the workload's vocabulary per token, from an engine's own /tokenize."""
+    import random
+
+    text = workload.text(random.Random(0), 1000, 1.0)
+    req = urllib.request.Request(
+        backend.engines[0] + "/tokenize",
+        json.dumps({"model": backend.model, "prompt": text}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        count = json.loads(r.read())["count"]
+    return 1000 / count
+
+
+def calibrate(url: str, model: str, wpt: float, seed: int) -> Unloaded:
+    """Requests sent one at a time to idle engines: TTFT against prompt tokens, and the gaps
+    of lone streams."""
+    import random
+
+    rng = random.Random(seed)
+    reqs = []
+    for tokens in (100, 500, 1000, 2000, 3000):
+        for _ in range(3):
+            body = {
+                "model": model,
+                "prompt": workload.text(rng, tokens, wpt),
+                "max_tokens": 32,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            reqs.append(workload.Request(0.0, "/v1/completions", body, tokens > 1000))
+
+    async def one_by_one() -> list[Record]:
+        out = []
+        for r in reqs:
+            out.append((await client.drive(url, [r]))[0])
+        return out
+
+    recs = asyncio.run(one_by_one())
+    bad = [r for r in recs if not r.ok]
+    if bad:
+        raise RuntimeError(f"calibration requests failed: {bad[0].error}")
+    recs = recs[3:]  # the first three warm the engines up
+    return Unloaded.fit(
+        [(r.prompt_tokens, r.ttft or 0.0) for r in recs], [g for r in recs for g in r.gaps]
+    )
+
+
+def _summary(s: Slo, recs: list[Record], start: float, end: float) -> dict[str, Any]:
+    counted = [r for r in recs if start <= r.at < end]
+    good = [r for r in counted if s.good(r)]
+    reasons: dict[str, int] = {}
+    for r in counted:
+        reasons[r.reason or "?"] = reasons.get(r.reason or "?", 0) + 1
+    errs = slo.prediction_errors(counted)
+    ok = [r for r in counted if r.ok]
+    return {
+        "requests": len(counted),
+        "good": len(good),
+        "failed": len(counted) - len(ok),
+        "ttft_miss": sum(1 for r in ok if (r.ttft or 0) > s.ttft_bound(r.prompt_tokens)),
+        "itl_miss": sum(1 for r in ok if r.itl_p95() > s.itl),
+        "reasons": reasons,
+        "prediction_error_p50": statistics.median(errs) if errs else None,
+        "predictions": len(errs),
+    }
+
+
+class Sweep:
+    def __init__(
+        self, backend: Backend, opts: Options, out: Path, log: Callable[[str], None] = print
+    ) -> None:
+        self.b = backend
+        self.o = opts
+        self.out = out
+        self.log = log
+        self.routers: dict[str, Proc] = {}
+        self.cells: list[Cell] = []
+        self.records: dict[str, list[dict[str, Any]]] = {}
+
+    def run(self) -> dict[str, Any]:
+        b, o = self.b, self.o
+        t_start = time.time()
+        self.wpt = words_per_token(b)
+        cal = b.start_router("calibrate", router_configs(b, Slo(1, 0, 1))["colocated"])
+        try:
+            self.unloaded = calibrate(cal.url(), b.model, self.wpt, o.seed)
+        finally:
+            cal.stop()
+        self.slo = Slo.of(self.unloaded)
+        self.log(
+            f"{b.name}: unloaded TTFT {self.unloaded.ttft * 1000:.1f} ms + "
+            f"{self.unloaded.ttft_per_token * 1e6:.2f} ms/1k tokens, "
+            f"ITL {self.unloaded.itl * 1000:.1f} ms; "
+            f"SLO {self.slo.describe()}"
+        )
+        for name, cfg in router_configs(b, self.slo).items():
+            self.routers[name] = b.start_router(name, cfg)
+        try:
+            self.capacity = {m.name: self._capacity(m) for m in workload.MIXES if m.name in o.mixes}
+            for m in workload.MIXES:
+                if m.name not in o.mixes:
+                    continue
+                for i, f in enumerate(RATE_FRACTIONS):
+                    self._grid_cell(m, f, i)
+            if o.extras:
+                self._chat_cell()
+                self._alternating_cell()
+        finally:
+            for p in self.routers.values():
+                p.stop()
+        result = self.result(time.time() - t_start)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"goodput-{b.name}.json").write_text(json.dumps(result, indent=1))
+        return result
+
+    # ------------------------------------------------------------------ cells
+    def _capacity(self, mix: workload.Mix) -> float:
+        import random
+
+        rng = random.Random(self.o.seed)
+        b = self.b
+
+        def make(i: int) -> workload.Request:
+            return workload.one(rng, mix, b.model, self.wpt, 0.0)
+
+        clients = self.o.clients_per_engine * len(b.engines)
+        cap = asyncio.run(
+            client.closed_loop(
+                self.routers["colocated"].url(), make, clients, self.o.capacity_seconds
+            )
+        )
+        self.log(
+            f"{b.name}: colocated capacity, {mix.name}: {cap:.2f} req/s "
+            f"({clients} closed-loop clients)"
+        )
+        return cap
+
+    def _order(self, k: int) -> list[str]:
+        """Setups in turn, rotated per cell: none always runs first (or last)."""
+        return [SETUPS[(i + k) % 3] for i in range(3)]
+
+    def _run(
+        self, setup: str, reqs: list[workload.Request], chats: list[workload.Session] | None = None
+    ) -> list[Record]:
+        url = self.routers[setup].url()
+        return asyncio.run(
+            client.drive(url, copy.deepcopy(reqs), copy.deepcopy(chats or []), self.b.model)
+        )
+
+    def _grid_cell(self, mix: workload.Mix, frac: float, k: int) -> None:
+        o = self.o
+        rate = frac * self.capacity[mix.name]
+        total = o.warmup + o.duration
+        reqs = workload.poisson(
+            mix, rate, total, o.seed + k + 17 * len(self.cells), self.b.model, self.wpt
+        )
+        cell = Cell(mix.name, rate, f"{frac:g}")
+        for setup in self._order(len(self.cells)):
+            recs = self._run(setup, reqs)
+            self._keep(cell, setup, recs, o.warmup, total)
+        self._done(cell)
+
+    def _chat_cell(self) -> None:
+        o = self.o
+        cap = self.capacity.get(workload.MIXED.name) or next(iter(self.capacity.values()))
+        turns = 4
+        rate = 0.6 * cap / turns  # sessions per second: about 0.6 of capacity in turns
+        total = o.warmup + o.duration
+        chats = workload.sessions(rate, total, o.seed + 101, self.wpt, turns)
+        cell = Cell("multi-turn chat", rate * turns, "")
+        for setup in self._order(len(self.cells)):
+            recs = self._run(setup, [], chats)
+            self._keep(cell, setup, recs, o.warmup, total)
+        self._done(cell)
+
+    def _alternating_cell(self) -> None:
+        o = self.o
+        short, long = workload.SHORT, workload.LONG
+        cap_s = self.capacity.get(short.name) or max(self.capacity.values())
+        cap_l = self.capacity.get(long.name) or min(self.capacity.values())
+        phase = max(5.0, o.duration / 2)
+        plan = [(short, 0.6 * cap_s), (long, 0.6 * cap_l)] * 2
+        reqs = workload.alternating(plan, phase, o.seed + 202, self.b.model, self.wpt)
+        cell = Cell("alternating short/long", sum(r for _, r in plan) / len(plan), "")
+        for setup in self._order(len(self.cells)):
+            timeline: list[dict[str, Any]] = []
+            if setup == "goodput":
+                recs = self._with_timeline(setup, reqs, timeline)
+                cell.timeline = timeline
+            else:
+                recs = self._run(setup, reqs)
+            # the first phase warms up; each later phase is judged apart
+            self._keep(cell, setup, recs, phase, phase * len(plan))
+            for i in range(1, len(plan)):
+                name = f"{i}:{plan[i][0].name}"
+                cell.phases.setdefault(name, {})[setup] = slo.goodput(
+                    self.slo, recs, i * phase, (i + 1) * phase
+                )
+        self._done(cell)
+
+    def _with_timeline(
+        self, setup: str, reqs: list[workload.Request], timeline: list[dict[str, Any]]
+    ) -> list[Record]:
+        """Run ``reqs`` while reading every engine's counters once a second."""
+        import threading
+
+        stop = threading.Event()
+        b = self.b
+
+        def poll() -> None:
+            t0 = time.perf_counter()
+            last = {u: b.counters(u) for u in b.engines}
+            while not stop.wait(1.0):
+                now = {u: b.counters(u) for u in b.engines}
+                timeline.append(
+                    {
+                        "t": round(time.perf_counter() - t0, 2),
+                        "prefill": {u: now[u][0] - last[u][0] for u in b.engines},
+                        "decode": {u: now[u][1] - last[u][1] for u in b.engines},
+                    }
+                )
+                last = now
+
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        try:
+            return self._run(setup, reqs)
+        finally:
+            stop.set()
+            th.join(5)
+
+    def _keep(self, cell: Cell, setup: str, recs: list[Record], start: float, end: float) -> None:
+        cell.goodput[setup] = slo.goodput(self.slo, recs, start, end)
+        cell.stats[setup] = _summary(self.slo, recs, start, end)
+        key = f"{cell.workload} @ {cell.rate:.2f}/s"
+        self.records.setdefault(key, []).extend({"setup": setup, **r.summary()} for r in recs)
+
+    def _done(self, cell: Cell) -> None:
+        self.cells.append(cell)
+        gp = ", ".join(f"{s} {cell.goodput[s]:.2f}" for s in SETUPS)
+        r = cell.ratio()
+        self.log(
+            f"{self.b.name}: {cell.workload} @ {cell.rate:.2f} req/s: goodput {gp}; "
+            f"new/best {r:.2f}"
+            if r is not None
+            else ""
+        )
+
+    # ------------------------------------------------------------------ result
+    def result(self, seconds: float) -> dict[str, Any]:
+        errs = [
+            rec["predicted_ttft"] and abs(rec["ttft"] - rec["predicted_ttft"]) / rec["ttft"]
+            for recs in self.records.values()
+            for rec in recs
+            if rec["setup"] == "goodput"
+            and rec["ok"]
+            and rec["ttft"]
+            and rec["predicted_ttft"] is not None
+        ]
+        return {
+            "backend": self.b.name,
+            "describe": self.b.describe(),
+            "seconds": round(seconds),
+            "options": self.o.__dict__ | {"mixes": list(self.o.mixes)},
+            "words_per_token": self.wpt,
+            "unloaded": self.unloaded.__dict__,
+            "slo": self.slo.asdict(),
+            "slo_text": self.slo.describe(),
+            "capacity": self.capacity,
+            "cells": [c.__dict__ for c in self.cells],
+            "prediction_error_p50": statistics.median(errs) if errs else None,
+            "predictions": len(errs),
+            "records": self.records,
+        }
+
+
+def in_gpu_time(result: dict[str, Any], slow_down: float) -> dict[str, Any]:
+    """A result measured on engines ``slow_down`` times slower than the GPUs they stand for,
+    in the GPUs' time: rates and goodput times it, latencies divided by it."""
+    f = slow_down
+    r = copy.deepcopy(result)
+    r["capacity"] = {k: v * f for k, v in r["capacity"].items()}
+    r["unloaded"] = {k: v / f for k, v in r["unloaded"].items()}
+    r["slo"] = {k: v / f for k, v in r["slo"].items()}
+    r["slo_text"] = Slo(**r["slo"]).describe()
+    r["options"] = {
+        **r["options"],
+        "duration": r["options"]["duration"] / f,
+        "warmup": r["options"]["warmup"] / f,
+    }
+    for c in r["cells"]:
+        c["rate"] *= f
+        c["goodput"] = {k: v * f for k, v in c["goodput"].items()}
+        c["phases"] = {p: {k: v * f for k, v in gp.items()} for p, gp in c["phases"].items()}
+        for t in c["timeline"]:
+            t["t"] /= f
+    for recs in r["records"].values():
+        for rec in recs:
+            for k in ("at", "ttft", "predicted_ttft", "itl_p95"):
+                if rec.get(k) is not None:
+                    rec[k] /= f
+    r["time_scale"] = f
+    return r

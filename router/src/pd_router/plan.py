@@ -1,0 +1,237 @@
+"""The goodput decision (``routing.decision: goodput``): for each request, among serving it
+whole on one engine or prefilling it on one and decoding it on another, the option that keeps
+the most requests within their SLOs (``routing.goodput``), predicted from what each engine
+costs and carries (pd_router.costs).
+
+For every option the router predicts:
+
+- the request's **TTFT**: whole on Y, Y's prefill fit over what Y has queued plus the tokens Y
+  does not hold; split X -> Y, X's prefill the same way, then the hand-off (the pull of what Y
+  does not hold and Y's first step) behind what Y has queued;
+- its **ITL p95**: the decoding engine's step time with one more stream, and how many of its
+  steps a prefill chunk will stretch past the ITL bound while it decodes (that engine's
+  slow-step rate times the request's decode time);
+- the **harm** it does: the streams decoding on the engine that prefills it which this
+  prefill's stretched steps push past their ITL p95 (each stream's slow-gap budget is 5 % of
+  its output tokens, less the slow gaps it has seen and those the prefills queued ahead will
+  cause).
+
+It then counts the **expected SLO misses** of each option: the chance that its TTFT passes its
+bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance that more of
+its gaps than its budget are stretched (Poisson at the expected count), 1 when its step alone
+passes the ITL bound, and the streams it harms.
+
+**The rule**: fewest expected misses (within ``TIE`` of each other), then the earliest
+predicted first token, then the whole option (no hand-off to go wrong). A split's TTFT is never
+below the best whole's on idle, equal engines (it adds the hand-off to a prefill of the same
+tokens), so splits are only weighed when the best whole option risks a miss or some prefiller
+could make up the hand-off's cost; a prompt whose prefill is cheap everywhere is therefore
+served whole (``handoff_not_worth``) without looking at pairs. Because a request decoding on
+an engine that prefills often risks its ITL, short requests drift to the engines that prefill
+least, which then harm fewer streams when they prefill: the engines settle into prefill and
+decode roles as the traffic asks, and back again when it changes, without a pod changing.
+
+Reasons (``x-pd-reason``, pd_router.metrics.DECIDED): ``handoff_not_worth`` (whole; no split
+could do better, by the bound above), ``whole_best`` (whole; splits were weighed and lost),
+``split_protects_itl`` (split; a whole option risks more ITL misses, this request's or other
+streams'), ``split_faster`` (split; fewer TTFT misses or an earlier first token). The predicted
+figures go back in ``x-pd-predicted`` and in the trace, and the router exports observed /
+predicted TTFT (``pd_router_ttft_prediction_ratio``) so that a user sees the model's error.
+
+Pairs keep the revision rule (pd_router.revision): both engines serve the same KV revision.
+An engine is never sent its own prefill's ``kv_transfer_params`` (vLLM 0.31/0.33 do not guard a
+handshake with themselves).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pd_router.costs import DEFAULT_OUTPUT_TOKENS, ITL_QUANTILE, CostModel, EngineCosts
+from pd_router.discovery import Endpoint
+
+# Spread of a TTFT prediction (the standard deviation of log(observed / predicted)) used to
+# turn it into the chance of missing the bound: the cost model aims at 25 % p50 error.
+TTFT_SPREAD = 0.3
+# Expected misses closer than this are a tie (then the earlier first token wins).
+TIE = 0.05
+
+# How many prefillers and decoders (best first by their own side's score) are paired up: the
+# pairs beyond them cannot win on a pool of alike engines, and 4 x 4 keeps the decision cheap
+# on large pools.
+PAIR_CANDIDATES = 4
+
+Held = Callable[[Endpoint], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to serve the request and what it is predicted to do."""
+
+    decoder: Endpoint
+    prefiller: Endpoint | None  # None: whole on ``decoder``
+    ttft: float  # seconds from now to its first token
+    itl: float  # its typical inter-token gap (the decoding engine's step), seconds
+    misses: float  # expected SLO misses: its TTFT, its ITL, and the streams its prefill harms
+    itl_misses: float  # of which from ITL (its own and the harmed streams')
+
+    def better(self, other: Option) -> bool:
+        """The rule (module docstring): fewer expected misses, then an earlier first token,
+        then whole."""
+        if abs(self.misses - other.misses) > TIE:
+            return self.misses < other.misses
+        if self.ttft != other.ttft:
+            return self.ttft < other.ttft
+        return self.prefiller is None and other.prefiller is not None
+
+    def header(self) -> str:
+        """``x-pd-predicted``: what the decision expected of the option it took."""
+        return (
+            f"ttft_ms={self.ttft * 1000:.1f}; itl_ms={self.itl * 1000:.1f}; "
+            f"misses={self.misses:.2f}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    option: Option
+    reason: str
+
+
+class Planner:
+    """Weighs the options of one request (see the module docstring)."""
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        self.itl_bound = model.cfg.itl_seconds
+
+    def _costs(self, ep: Endpoint, now: float) -> EngineCosts:
+        c = self.model.of(ep.base, ep.generation)
+        c.refresh(now)
+        return c
+
+    def _decode(self, c: EngineCosts, out: int, now: float) -> tuple[float, float]:
+        """(step, chance of missing the ITL bound) of a stream of ``out`` tokens decoding on
+        ``c`` from now: its step alone past the bound is a miss; else more stretched gaps than
+        its budget, Poisson at the engine's slow-step rate times its decode time."""
+        step = c.step_seconds(c.decoding + 1)
+        if step > self.itl_bound:
+            return step, 1.0
+        expected = c.slow.value(now) * out * step
+        return step, poisson_above(expected, int((1 - ITL_QUANTILE) * out))
+
+    def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
+        c = self._costs(ep, now)
+        ttft = c.prefill_seconds(tokens)
+        step, itl_miss = self._decode(c, out, now)
+        itl_misses = itl_miss + c.harm(c.slow_steps(tokens))
+        return Option(ep, None, ttft, step, ttft_miss(ttft, bound) + itl_misses, itl_misses)
+
+    def choose(
+        self,
+        prompt: int,
+        held: Held,
+        decoders: Sequence[Endpoint],
+        prefillers: Sequence[Endpoint],
+        out: int | None,
+        now: float,
+    ) -> Choice | None:
+        """The option to take for a prompt of ``prompt`` tokens (``held(ep)``: how many of
+        them ``ep`` holds already) with ``out`` output tokens at most; None without decoders."""
+        if not decoders:
+            return None
+        out = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
+        bound = self.model.ttft_bound(prompt)
+        best: Option | None = None
+        for ep in decoders:
+            o = self.whole(ep, max(1, prompt - held(ep)), out, bound, now)
+            if best is None or o.better(best):
+                best = o
+        assert best is not None
+        if not prefillers or (len(decoders) == 1 and all(p is decoders[0] for p in prefillers)):
+            return Choice(best, "handoff_not_worth")  # no engine to pair with another
+        # a split's TTFT is a prefill of at least X's queue and uncached tokens, then the
+        # hand-off: when the best whole misses nothing and no prefiller could beat its TTFT
+        # that way, no split can win (fewer misses than none, or an earlier first token)
+        handoff = self.model.handoff.a
+        if best.misses <= TIE:
+            floor = min(
+                self.model.of(p.base, p.generation).prefill_seconds(max(1, prompt - held(p)))
+                for p in prefillers
+            )
+            if best.ttft <= floor + handoff:
+                return Choice(best, "handoff_not_worth")
+        split = self._best_split(prompt, held, decoders, prefillers, out, bound, now)
+        if split is None or not split.better(best):
+            return Choice(best, "whole_best")
+        if best.itl_misses - split.itl_misses > TIE:
+            return Choice(split, "split_protects_itl")
+        return Choice(split, "split_faster")
+
+    def _best_split(
+        self,
+        prompt: int,
+        held: Held,
+        decoders: Sequence[Endpoint],
+        prefillers: Sequence[Endpoint],
+        out: int,
+        bound: float,
+        now: float,
+    ) -> Option | None:
+        # each side scored on its own: the prefiller by (streams it harms, its TTFT part), the
+        # decoder by (its ITL miss, the wait behind its queue); the best few of each paired
+        pre = []
+        for x in prefillers:
+            if x.revision is None:
+                continue
+            c = self._costs(x, now)
+            tokens = max(1, prompt - held(x))
+            pre.append((c.harm(c.slow_steps(tokens)), c.prefill_seconds(tokens), x))
+        pre.sort(key=lambda t: (t[0], t[1]))
+        dec = []
+        for y in decoders:
+            if y.revision is None:
+                continue
+            c = self._costs(y, now)
+            pull = max(1, prompt - held(y))
+            step, itl_miss = self._decode(c, out, now)
+            wait = self.model.handoff(pull) + c.prefill.b * c.queued
+            dec.append((itl_miss, wait, step, y))
+        dec.sort(key=lambda t: (t[0], t[1]))
+        best: Option | None = None
+        for harm, pf, x in pre[:PAIR_CANDIDATES]:
+            for itl_miss, wait, step, y in dec[:PAIR_CANDIDATES]:
+                if y is x or y.revision != x.revision:
+                    continue
+                ttft = pf + wait
+                itl_misses = harm + itl_miss
+                o = Option(y, x, ttft, step, ttft_miss(ttft, bound) + itl_misses, itl_misses)
+                if best is None or o.better(best):
+                    best = o
+        return best
+
+
+def ttft_miss(predicted: float, bound: float) -> float:
+    """The chance that a first token predicted at ``predicted`` seconds comes after ``bound``
+    (log-normal spread ``TTFT_SPREAD`` around the prediction)."""
+    if predicted <= 0:
+        return 0.0
+    z = (math.log(predicted) - math.log(bound)) / TTFT_SPREAD
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def poisson_above(mean: float, k: int) -> float:
+    """P(N > k) for N ~ Poisson(``mean``): the chance of more stretched gaps than the budget."""
+    if mean <= 0:
+        return 0.0
+    if mean > 50:  # normal approximation, continuity-corrected
+        z = (k + 0.5 - mean) / math.sqrt(mean)
+        return 0.5 * (1.0 - math.erf(z / math.sqrt(2.0)))
+    term = math.exp(-mean)
+    total = term
+    for i in range(1, k + 1):
+        term *= mean / i
+        total += term
+    return max(0.0, 1.0 - total)

@@ -1,0 +1,324 @@
+"""The goodput decision without I/O (pd_router.plan over pd_router.costs): each option it can
+take, each beside a negative control that changes the one thing the option depends on; the
+cost model's fits and load bookkeeping; the pairing rules (one revision, never an engine with
+itself)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_router.config import Goodput, GoodputSeed
+from pd_router.costs import CostModel, EngineCosts, Fit, Meter
+from pd_router.discovery import Endpoint
+from pd_router.plan import Planner, poisson_above, ttft_miss
+
+# A 1 ms/token prefill, 10 ms decode steps, a 20 ms hand-off: an engine of round numbers.
+SEED = GoodputSeed(prefill_tokens_per_second=1000.0, decode_step_seconds=0.01, handoff_seconds=0.02)
+SLO = Goodput(ttft_seconds=0.5, ttft_seconds_per_kilo_token=1.5, itl_seconds=0.05, seed=SEED)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def engines(*names: str, revision: str | None = "r1") -> list[Endpoint]:
+    out = []
+    for n in names:
+        ep = Endpoint(f"http://{n}:8000")
+        ep.revision = revision
+        ep.generation = 1
+        out.append(ep)
+    return out
+
+
+def setup(cfg: Goodput = SLO) -> tuple[CostModel, Planner, Clock]:
+    clock = Clock()
+    model = CostModel(cfg, clock)
+    return model, Planner(model), clock
+
+
+def costs(model: CostModel, ep: Endpoint) -> EngineCosts:
+    return model.of(ep.base, ep.generation)
+
+
+def decoding(
+    model: CostModel, ep: Endpoint, streams: int, out: int = 100, slow_seen: int = 0
+) -> None:
+    """``streams`` streams decoding on ``ep``, each of ``out`` tokens having seen ``slow_seen``
+    gaps past the ITL bound."""
+    c = costs(model, ep)
+    for _ in range(streams):
+        j = c.start("whole", 10, out, True, model.clock())
+        j.first(model.clock())
+        for _ in range(slow_seen):
+            j.gap(1.0)
+
+
+def prefilled_often(model: CostModel, ep: Endpoint, slow_steps: int) -> None:
+    """Prefills placed on ``ep`` lately stretched ``slow_steps`` of its steps."""
+    costs(model, ep).slow.add(slow_steps, model.clock())
+
+
+NONE = lambda ep: 0  # noqa: E731 - nothing held anywhere
+
+
+# ---------------------------------------------------------------------- whole, handoff_not_worth
+
+
+def test_a_short_prompt_goes_whole_to_the_engine_with_the_shortest_queue() -> None:
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    costs(model, a).start("whole", 400, 50, True, clock())  # a has 400 tokens to prefill first
+    choice = planner.choose(50, NONE, [a, b], [a, b], 50, clock())
+    assert choice is not None
+    assert (choice.option.decoder, choice.option.prefiller, choice.reason) == (
+        b,
+        None,
+        "handoff_not_worth",
+    )
+    # negative control: the queue moved to b, and so does the choice
+    model2, planner2, clock2 = setup()
+    costs(model2, b).start("whole", 400, 50, True, clock2())
+    c2 = planner2.choose(50, NONE, [a, b], [a, b], 50, clock2())
+    assert c2 is not None and c2.option.decoder is a
+
+
+def test_without_a_second_engine_nothing_is_split() -> None:
+    model, planner, clock = setup()
+    (a,) = engines("a")
+    decoding(model, a, 20, slow_seen=4)  # a long prefill here would harm every stream
+    choice = planner.choose(3000, NONE, [a], [a], 50, clock())
+    assert choice is not None and choice.option.prefiller is None
+    assert choice.reason == "handoff_not_worth"
+
+
+# ---------------------------------------------------------------------- split_protects_itl
+
+
+def test_a_long_prompt_is_prefilled_where_no_stream_decodes_and_decoded_where_none_prefills() -> (
+    None
+):
+    """b prefills often (its streams' gaps stretch), a has streams decoding: whole on a harms
+    a's streams, whole on b puts this request's decode among b's stretched gaps; prefilling on b
+    and decoding on a does neither."""
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    decoding(model, a, 4, out=40, slow_seen=2)  # budget 2 gaps: one more stretch misses
+    prefilled_often(model, b, 200)
+    choice = planner.choose(2000, NONE, [a, b], [a, b], 100, clock())
+    assert choice is not None
+    assert (choice.option.prefiller, choice.option.decoder) == (b, a)
+    assert choice.reason == "split_protects_itl"
+    # negative control: b has not been prefilling (its decodes would not be stretched): whole
+    # on b harms nothing and has the earlier first token
+    model2, planner2, clock2 = setup()
+    decoding(model2, a, 4, out=40, slow_seen=2)
+    c2 = planner2.choose(2000, NONE, [a, b], [a, b], 100, clock2())
+    assert c2 is not None and (c2.option.decoder, c2.option.prefiller) == (b, None)
+    assert c2.reason in ("whole_best", "handoff_not_worth")
+
+
+def test_the_harm_counts_only_streams_a_prefill_would_push_past_their_budget() -> None:
+    model, _, _clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    decoding(model, a, 3, out=100, slow_seen=0)  # 5 slow gaps left each
+    decoding(model, a, 2, out=100, slow_seen=4)  # 1 left each
+    decoding(model, a, 1, out=100, slow_seen=9)  # already past it: not counted again
+    assert c.harm(0) == 0
+    assert c.harm(1) == 0
+    assert c.harm(2) == 2
+    assert c.harm(6) == 5
+
+
+def test_a_prompt_whose_chunks_fit_the_itl_bound_stretches_nothing() -> None:
+    model, _, _ = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    assert c.slow_steps(30) == 0  # 10 ms step + 30 ms of prefill < 50 ms
+    assert c.slow_steps(100) == 1  # 110 ms > 50 ms: one stretched step
+    assert c.slow_steps(3 * 2048) == 3  # three chunks of vLLM's default budget
+
+
+# ---------------------------------------------------------------------- split_faster
+
+
+def test_a_split_wins_on_ttft_where_the_decoders_prefill_slowly() -> None:
+    """Fixed pools: the only decoder prefills at a third of the prefiller's speed (what it
+    taught the model), so its whole TTFT passes the bound; prefilling apart meets it."""
+    model, planner, clock = setup()
+    (d,) = engines("d")
+    (p,) = engines("p")
+    slow = costs(model, d)
+    for n in (500, 1000, 2000, 3000):
+        for _ in range(20):
+            slow.prefill.add(n, 0.003 * n)
+    choice = planner.choose(2000, NONE, [d], [p], 50, clock())
+    assert choice is not None and (choice.option.prefiller, choice.option.decoder) == (p, d)
+    assert choice.reason == "split_faster"
+    # negative control: the decoder as fast as the prefiller: whole, no hand-off to pay
+    _model2, planner2, clock2 = setup()
+    c2 = planner2.choose(2000, NONE, [d], [p], 50, clock2())
+    assert c2 is not None and c2.option.prefiller is None
+
+
+# ---------------------------------------------------------------------- whole_best
+
+
+def test_splits_weighed_and_lost_leave_the_request_whole() -> None:
+    """A long prompt on idle engines: the best whole option risks a little (its TTFT near the
+    bound), so splits are weighed; none does better (same prefill plus a hand-off)."""
+    _model, planner, clock = setup(
+        Goodput(ttft_seconds=0.1, ttft_seconds_per_kilo_token=1.0, itl_seconds=0.05, seed=SEED)
+    )
+    a, b = engines("a", "b")
+    choice = planner.choose(1000, NONE, [a, b], [a, b], 50, clock())
+    assert choice is not None and choice.option.prefiller is None
+    assert choice.reason == "whole_best"
+    # negative control: a generous bound, and the cheap test says no split can win
+    _model2, planner2, clock2 = setup()
+    c2 = planner2.choose(1000, NONE, [a, b], [a, b], 50, clock2())
+    assert c2 is not None and c2.reason == "handoff_not_worth"
+
+
+# ---------------------------------------------------------------------- pairing rules
+
+
+def test_pairs_keep_one_revision_and_never_an_engine_with_itself() -> None:
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    (c,) = engines("c", revision="r2")
+    decoding(model, a, 4, out=40, slow_seen=2)
+    prefilled_often(model, b, 200)
+    prefilled_often(model, c, 0)
+    # c (another revision) would be the ideal prefiller for a: it holds nothing, harms nothing
+    choice = planner.choose(2000, NONE, [a, b, c], [a, b, c], 100, clock())
+    assert choice is not None
+    o = choice.option
+    assert o.prefiller is None or (
+        o.prefiller is not o.decoder and o.prefiller.revision == o.decoder.revision
+    )
+    # an engine of unknown revision pairs with nothing
+    (u,) = engines("u", revision=None)
+    c2 = planner.choose(2000, NONE, [u], [u, b], 100, clock())
+    assert c2 is not None and c2.option.prefiller is None
+
+
+def test_what_an_engine_holds_counts_for_it_alone() -> None:
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    held = {a.base: 1900, b.base: 0}
+    choice = planner.choose(2000, lambda ep: held[ep.base], [a, b], [a, b], 50, clock())
+    assert choice is not None and choice.option.decoder is a  # 100 tokens to compute there
+    assert choice.option.ttft < costs(model, b).prefill_seconds(2000)
+
+
+# ---------------------------------------------------------------------- the cost model
+
+
+def test_a_fit_starts_at_its_prior_and_follows_what_it_sees() -> None:
+    f = Fit(0.02, 0.001, 1000.0)
+    assert f(1000) == pytest.approx(1.02)
+    for i in range(200):
+        n = 100 + (i % 10) * 300
+        f.add(n, 0.05 + 0.0002 * n)
+    assert f(1000) == pytest.approx(0.25, rel=0.05)
+    assert f.b == pytest.approx(0.0002, rel=0.1)
+
+
+def test_a_fit_forgets_old_samples_not_idle_time() -> None:
+    f = Fit(0.0, 0.001, 1000.0)
+    for n in (500, 1000, 1500) * 100:
+        f.add(n, 0.004 * n)  # slow then
+    assert f(1000) == pytest.approx(4.0, rel=0.05)
+    for n in (500, 1000, 1500) * 100:
+        f.add(n, 0.001 * n)  # fast now: the old samples fade
+    assert f(1000) == pytest.approx(1.0, rel=0.05)
+    # alike samples move the level and keep the slope learnt before
+    for _ in range(300):
+        f.add(1000, 2.0)
+    assert f(1000) == pytest.approx(2.0, rel=0.05) and f.b == pytest.approx(0.001, rel=0.1)
+
+
+def test_a_whole_stream_teaches_the_prefill_fit_and_moves_to_decoding_at_its_first_token() -> None:
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    j = c.start("whole", 2000, 50, True, clock())
+    assert (c.queued, c.decoding) == (2000, 0)
+    clock.t += 0.9
+    j.first(clock())
+    assert (c.queued, c.decoding) == (0, 1)
+    assert c.prefill.n == 1
+    j.gap(0.01)
+    j.gap(0.2)  # past the 50 ms bound
+    assert (j.gaps, j.slow) == (2, 1)
+    j.end()
+    assert (c.queued, c.decoding, len(c.jobs)) == (0, 0, 0)
+    j.end()  # twice: counted out once
+    assert (c.queued, c.decoding) == (0, 0)
+
+
+def test_a_failed_call_teaches_nothing() -> None:
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    j = c.start("prefill", 2000, 0, False, clock())
+    clock.t += 30
+    j.end()  # released without an answer (a timeout): no j.answered()
+    assert c.prefill.n == 0 and c.queued == 0
+    j2 = c.start("prefill", 2000, 0, False, clock())
+    clock.t += 2
+    j2.end()
+    j2.answered()
+    assert c.prefill.n == 1
+
+
+def test_an_answer_not_streamed_leaves_the_queue_when_its_prefill_should_be_over() -> None:
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    c.start("whole", 1000, 50, False, clock())
+    assert c.queued == 1000
+    clock.t += 0.5
+    c.refresh(clock())
+    assert (c.queued, c.decoding) == (1000, 0)
+    clock.t += 1.0  # past the predicted 1.03 s
+    c.refresh(clock())
+    assert (c.queued, c.decoding) == (0, 1)
+
+
+def test_a_restarted_engine_is_learnt_afresh() -> None:
+    model, _, _clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    c.prefill.add(1000, 5.0)
+    a.generation += 1
+    assert costs(model, a) is not c
+    assert costs(model, a).prefill.n == 0
+
+
+def test_a_meter_sizes_each_call_by_what_that_engine_holds() -> None:
+    model, _, _clock = setup()
+    a, b = engines("a", "b")
+    m = Meter(model, 2000, {a.base: 1500}, 64, True, 1.0)
+    ja = m.job(a.base, a.generation, "prefill")
+    jb = m.job(b.base, b.generation, "decode")
+    assert (ja.tokens, ja.out, jb.tokens, jb.out) == (500, 0, 2000, 64)
+    assert costs(model, a).queued == 500 and costs(model, b).decoding == 1
+
+
+# ---------------------------------------------------------------------- the miss chances
+
+
+def test_the_miss_chances() -> None:
+    assert ttft_miss(1.0, 1.0) == pytest.approx(0.5)
+    assert ttft_miss(0.5, 1.0) < 0.02
+    assert ttft_miss(2.0, 1.0) > 0.98
+    assert poisson_above(0.0, 0) == 0.0
+    assert poisson_above(1.0, 0) == pytest.approx(1 - 0.3679, abs=1e-3)
+    assert poisson_above(200.0, 150) > 0.99 and poisson_above(100.0, 200) < 0.01
