@@ -451,6 +451,8 @@ class Router:
                     duration_ms,
                     ctx.revision,
                     ctx.trace_id,
+                    ctx.engine,
+                    ctx.prefilled_on,
                 )
 
     def _close_trace(self, ctx: Ctx, status: int) -> None:

@@ -272,6 +272,7 @@ class Legs:
                 continue
             pool.report_success(ep)
             ctx.revision = ep.revision or ""
+            ctx.engine = ep.base
             if span is not None:
                 assert ctx.trace is not None
                 ctx.trace.answer = span  # ends with the answer; first token then (Trace.close)
@@ -369,6 +370,7 @@ class Legs:
         of a request the client never sent), so a decoder answers the client's own
         (``prefill_refused``). ``report_success``: off where the hand-off has more to prove
         (LMCache: its notification)."""
+        ctx.prefilled_on = ep.base
         with LegSpan(ctx, "prefill", ep, path) as span:
             meter = ctx.meter
             job = None if meter is None else meter.job(ep.base, ep.generation, "prefill")

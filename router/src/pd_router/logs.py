@@ -173,6 +173,8 @@ class AccessLog:
         duration_ms: float,
         kv_revision: str = "",
         trace_id: str = "",
+        engine: str = "",
+        prefiller: str = "",
     ) -> None:
         now = time.time()
         second = int(now)
@@ -192,6 +194,8 @@ class AccessLog:
             "duration_ms": duration_ms,
             "kv_revision": kv_revision,  # the answering decoder's (pd_router.revision)
             "trace_id": trace_id,  # W3C trace id (pd_router.tracing); "" = no trace context
+            "engine": engine,  # the engine that answered (its base URL); "" = none did
+            "prefiller": prefiller,  # the engine its prefill leg went to; "" = none
         }
         data = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
         if self._fd is None:

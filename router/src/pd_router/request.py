@@ -57,6 +57,7 @@ class Ctx:
         "chat",
         "decided",
         "decoder",
+        "engine",
         "fwd",
         "headers",
         "ids",
@@ -65,6 +66,7 @@ class Ctx:
         "outcome",
         "path",
         "predicted",
+        "prefilled_on",
         "prefiller",
         "ptok",
         "raw",
@@ -105,6 +107,8 @@ class Ctx:
         self.cached = 0  # prompt tokens the decoder was taken to hold (x-pd-cached-tokens)
         self.cached_source = ""  # from where: decide.Decision.estimate; "" = not estimated
         self.revision = ""  # KV revision of the decoder that answered (pd_router.revision)
+        self.engine = ""  # the engine that answered (the access line's "engine")
+        self.prefilled_on = ""  # the engine its prefill leg went to (the access line's)
         self.t0 = time.perf_counter()
         # how it went, counted once by Outcomes.finish: the pd_router_requests_total outcome
         # ("" until known), when the first token and the end reached the client (0: not yet)

@@ -17,7 +17,16 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
         access = AccessLog(logger, f)
         assert access.enabled
         access.write(
-            "rid-1", "direct", "prefix_cached", 200, "/v1/completions", 1.25, "0a1b2c3d", "4bf92f35"
+            "rid-1",
+            "direct",
+            "prefix_cached",
+            200,
+            "/v1/completions",
+            1.25,
+            "0a1b2c3d",
+            "4bf92f35",
+            "http://10.0.0.7:8000",
+            "http://10.0.0.8:8000",
         )
     line = json.loads(out.read_text())
     record = logging.LogRecord("pd_router", logging.INFO, __file__, 1, "request", None, None)
@@ -30,6 +39,8 @@ def test_the_access_line_is_what_the_json_formatter_writes(tmp_path) -> None:
         "duration_ms": 1.25,
         "kv_revision": "0a1b2c3d",
         "trace_id": "4bf92f35",
+        "engine": "http://10.0.0.7:8000",
+        "prefiller": "http://10.0.0.8:8000",
     }.items():
         setattr(record, k, v)
     expected = json.loads(JsonFormatter().format(record))
