@@ -18,14 +18,20 @@ from tests.cases import LAYERINGS
 from tests.real_engine import engines
 
 HERE = Path(__file__).resolve().parent
+# The flexible layout as the chart renders it on the dev environment (tests/scenarios/
+# flexible.yaml): one pool of decode engines, each NixlConnector kv_both, the goodput decision.
+FLEX = "scenario:flexible"
+FLEX_ROLE = "decode"
 
 
 # Modules that run last, in this order, so the dense pair starts once and stops once (Pairs):
 # test_real_kv_events.py is the dense pair's last user (it replaces the decoder, then stops the
-# pair); test_real_tracing.py starts a pair of its own (tracing on); the others need the machine
-# to themselves (no dense pair).
+# pair); test_real_flex.py starts the flexible layout's pair (two kv_both engines, FLEX), its
+# last test killing one; test_real_tracing.py starts a pair of its own (tracing on); the others
+# need the machine to themselves (no dense pair).
 LAST = (
     "test_real_kv_events.py",
+    "test_real_flex.py",
     "test_real_tracing.py",
     "test_real_drain.py",
     "test_real_revision.py",
@@ -93,6 +99,23 @@ class Pairs:
             self.kind, self.pair = (kind, render), {e.role: e for e in pair}
         return self.pair
 
+    def flexible(self, kind: str) -> list[engines.Engine]:
+        """Two engines of the flexible layout (FLEX: one pool, NixlConnector kv_both), model
+        ``kind``, on cores 0 and 1."""
+        if self.kind != (kind, FLEX):
+            self.stop()
+            pair = [engines.engine(FLEX_ROLE, kind, core, self.workdir, render=FLEX) for core in (0, 1)]
+            try:
+                for e in pair:
+                    e.start()
+                engines.wait_ready(pair)
+            except BaseException:
+                for e in pair:
+                    e.stop()
+                raise
+            self.kind, self.pair = (kind, FLEX), {f"flex-{i}": e for i, e in enumerate(pair)}
+        return list(self.pair.values())
+
     def stop(self) -> None:
         for e in self.pair.values():
             e.stop()
@@ -135,17 +158,26 @@ class Routers:
         kind: str = "dense",
         env: dict[str, str] | None = None,
         sets: tuple[str, ...] = (),
+        render: str = engines.RENDER,
     ) -> Proc:
+        """A router from ``render``'s router.yaml; ``prefill`` empty: a flexible layout's
+        (its one pool is ``decode``)."""
         self.n += 1
         name = f"router-{self.n}"
         config = self.workdir / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(chart_router_config(sets=sets)))
+        config.write_text(yaml.safe_dump(chart_router_config(render, sets)))
         over = {
             "PD_ROUTER__LISTEN__HOST": "127.0.0.1",
             "PD_ROUTER__LISTEN__PORT": "0",
             "PD_ROUTER__HEALTH__INTERVALSECONDS": "1",
-            "PD_ROUTER__POOLS__PREFILL__DISCOVERY": "static",
-            "PD_ROUTER__POOLS__PREFILL__STATIC": "[" + ",".join(prefill) + "]",
+            **(
+                {
+                    "PD_ROUTER__POOLS__PREFILL__DISCOVERY": "static",
+                    "PD_ROUTER__POOLS__PREFILL__STATIC": "[" + ",".join(prefill) + "]",
+                }
+                if prefill
+                else {}
+            ),
             "PD_ROUTER__POOLS__DECODE__DISCOVERY": "static",
             "PD_ROUTER__POOLS__DECODE__STATIC": "[" + ",".join(decode) + "]",
             # the chart's model.routerTokenizer: the served model's tokenizer.json

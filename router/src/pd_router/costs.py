@@ -299,20 +299,37 @@ class EngineCosts:
         k = self.prefill.b
         return self.step(self.decoding) + k * min(float(tokens), self.chunk)
 
-    def harm(self, slow_steps: int) -> int:
-        """Streams decoding here that ``slow_steps`` more slow steps would push past their
-        ITL p95 (those already past it are not counted again)."""
+    def harm(self, slow_steps: int, now: float) -> float:
+        """The expected number of streams decoding here that ``slow_steps`` more stretched
+        steps push past their ITL p95: for each, the chance that the stretched steps still to
+        come (those of the prefills queued ahead, then Poisson at this engine's slow-step rate
+        over what it has left to decode) exceed its budget of slow gaps left, with these steps
+        less without them. A stream already past its budget is not counted again; one with
+        budget to spare costs a little, so prefills drift to where few streams decode."""
         if slow_steps <= 0:
-            return 0
+            return 0.0
         ahead = self.queued_slow
-        n = 0
+        per_token = self.stretch(now) * self.step(self.decoding)
+        total = 0.0
         for j in self.jobs:
-            if not j.decoding:
+            if not j.decoding or j.gaps >= j.out:
                 continue
             left = j.slow_budget - j.slow - ahead
-            if 0 <= left < slow_steps and j.gaps < j.out:
-                n += 1
-        return n
+            if left < 0:
+                continue
+            future = per_token * (j.out - j.gaps)
+            total += poisson_above(future, left - slow_steps) - poisson_above(future, left)
+        return total
+
+    def stretch(self, now: float) -> float:
+        """Stretched gaps to expect per decode step a stream spends here: the slow-step rate
+        over the time a token takes, which the stretched steps lengthen in turn (an engine
+        prefilling a share ``r x gap`` of its time decodes ``1 - r x gap`` of it)."""
+        rate = self.slow.value(now)
+        if rate <= 0:
+            return 0.0
+        gap = self.slow_gap or self.slow_gap_seconds(int(self.chunk))
+        return rate / max(0.1, 1.0 - rate * gap)
 
     # ------------------------------------------------------------------ bookkeeping
     def start(self, kind: str, tokens: int, out: int, stream: bool, now: float) -> Job:
@@ -374,6 +391,26 @@ class EngineCosts:
                 tokens = (mean - self.step(self.decoding)) / k
                 if tokens > 16:
                     self.chunk = 0.8 * self.chunk + 0.2 * tokens
+
+
+def poisson_above(mean: float, k: int) -> float:
+    """P(N > k) for N ~ Poisson(``mean``) (1 for k < 0): the chance of more stretched gaps
+    than a budget of ``k``."""
+    if k < 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    if mean > 50:  # normal approximation, continuity-corrected
+        z = (k + 0.5 - mean) / math.sqrt(mean)
+        return 0.5 * (1.0 - math.erf(z / math.sqrt(2.0)))
+    term = math.exp(-mean)
+    total = term
+    for i in range(1, k + 1):
+        term *= mean / i
+        total += term
+        if total >= 1.0:
+            break
+    return max(0.0, 1.0 - total)
 
 
 class CostModel:

@@ -49,7 +49,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pd_router.costs import DEFAULT_OUTPUT_TOKENS, ITL_QUANTILE, CostModel, EngineCosts
+from pd_router.costs import (
+    DEFAULT_OUTPUT_TOKENS,
+    ITL_QUANTILE,
+    CostModel,
+    EngineCosts,
+    poisson_above,
+)
 from pd_router.discovery import Endpoint
 
 # Spread of a TTFT prediction (the standard deviation of log(observed / predicted)) used to
@@ -119,14 +125,14 @@ class Planner:
         step = c.step_seconds(c.decoding + 1)
         if step > self.itl_bound:
             return step, 1.0
-        expected = c.slow.value(now) * out * step
+        expected = c.stretch(now) * out * step
         return step, poisson_above(expected, int((1 - ITL_QUANTILE) * out))
 
     def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
         c = self._costs(ep, now)
         ttft = c.prefill_seconds(tokens)
         step, itl_miss = self._decode(c, out, now)
-        itl_misses = itl_miss + c.harm(c.slow_steps(tokens))
+        itl_misses = itl_miss + c.harm(c.slow_steps(tokens), now)
         return Option(ep, None, ttft, step, ttft_miss(ttft, bound) + itl_misses, itl_misses)
 
     def choose(
@@ -188,7 +194,7 @@ class Planner:
                 continue
             c = self._costs(x, now)
             tokens = max(1, prompt - held(x))
-            pre.append((c.harm(c.slow_steps(tokens)), c.prefill_seconds(tokens), x))
+            pre.append((c.harm(c.slow_steps(tokens), now), c.prefill_seconds(tokens), x))
         pre.sort(key=lambda t: (t[0], t[1]))
         dec = []
         for y in decoders:
@@ -220,18 +226,3 @@ def ttft_miss(predicted: float, bound: float) -> float:
         return 0.0
     z = (math.log(predicted) - math.log(bound)) / TTFT_SPREAD
     return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
-
-
-def poisson_above(mean: float, k: int) -> float:
-    """P(N > k) for N ~ Poisson(``mean``): the chance of more stretched gaps than the budget."""
-    if mean <= 0:
-        return 0.0
-    if mean > 50:  # normal approximation, continuity-corrected
-        z = (k + 0.5 - mean) / math.sqrt(mean)
-        return 0.5 * (1.0 - math.erf(z / math.sqrt(2.0)))
-    term = math.exp(-mean)
-    total = term
-    for i in range(1, k + 1):
-        term *= mean / i
-        total += term
-    return max(0.0, 1.0 - total)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pd_router.config import Goodput, GoodputSeed
-from pd_router.costs import CostModel, EngineCosts, Fit, Meter
+from pd_router.costs import CostModel, EngineCosts, Fit, Meter, poisson_above
 from pd_router.discovery import Endpoint
-from pd_router.plan import Planner, poisson_above, ttft_miss
+from pd_router.plan import Planner, ttft_miss
 
 # A 1 ms/token prefill, 10 ms decode steps, a 20 ms hand-off: an engine of round numbers.
 SEED = GoodputSeed(prefill_tokens_per_second=1000.0, decode_step_seconds=0.01, handoff_seconds=0.02)
@@ -122,17 +122,26 @@ def test_a_long_prompt_is_prefilled_where_no_stream_decodes_and_decoded_where_no
     assert c2.reason in ("whole_best", "handoff_not_worth")
 
 
-def test_the_harm_counts_only_streams_a_prefill_would_push_past_their_budget() -> None:
-    model, _, _clock = setup()
+def test_the_harm_counts_the_streams_a_prefill_would_push_past_their_budget() -> None:
+    model, _, clock = setup()
     (a,) = engines("a")
     c = costs(model, a)
     decoding(model, a, 3, out=100, slow_seen=0)  # 5 slow gaps left each
     decoding(model, a, 2, out=100, slow_seen=4)  # 1 left each
     decoding(model, a, 1, out=100, slow_seen=9)  # already past it: not counted again
-    assert c.harm(0) == 0
-    assert c.harm(1) == 0
-    assert c.harm(2) == 2
-    assert c.harm(6) == 5
+    now = clock()
+    # no prefill stretching their steps lately: only certain misses count
+    assert c.harm(0, now) == 0
+    assert c.harm(1, now) == 0
+    assert c.harm(2, now) == pytest.approx(2)
+    assert c.harm(6, now) == pytest.approx(5)
+    # an engine whose steps prefills stretch often (10 a second): spending a stream's spare
+    # budget now risks it, and a stream that later stretches will push past it anyway is
+    # barely harmed by this one (the harm is the chance this prefill adds)
+    prefilled_often(model, a, 1)
+    assert 0 < c.harm(1, now) < 1
+    prefilled_often(model, a, 50)
+    assert c.harm(2, now) < 0.5
 
 
 def test_a_prompt_whose_chunks_fit_the_itl_bound_stretches_nothing() -> None:
