@@ -13,7 +13,7 @@ PIP := pip==$(PIP_VERSION)
 HELM ?= $(HELM4)
 ENV ?= dev
 
-.PHONY: help helm helm4 tools engines kube test lint render snapshot docs demo bench fmt clean
+.PHONY: help helm helm4 tools engines kube test lint render snapshot docs demo bench goodput fmt clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -83,6 +83,10 @@ demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopb
 
 bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic, multi-turn chat, the decision's cost and a py-spy profile; ARGS=--help (~7 min)
 	$(PY) -m pd_router_dev.bench $(ARGS)
+
+goodput: $(VENV)/.installed ## The goodput sweep: colocated vs fixed split vs the goodput decision on two real vLLM engines, then on 8 simulated GPU-timed ones; prints the table, writes docs/goodput.png (ARGS=--help; ~50 min)
+	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh
+	$(PY) -m tests.real_engine.goodput $(ARGS)
 
 fmt: $(VENV)/.installed ## Format Python code
 	$(VENV)/bin/ruff format router tests ci charts/pd-inference/files

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 from pd_router_dev.devstack import Proc, Stack
-from pd_router_dev.goodput import report, sweep
+from pd_router_dev.goodput import report, sweep, workload
 from pd_router_dev.goodput import sim as simulated
 
 from tests.real_engine import engines
@@ -48,7 +48,7 @@ class RealBackend:
     def base_config(self) -> dict[str, Any]:
         cfg = chart_router_config(RENDER)
         cfg["listen"] = {"host": "127.0.0.1", "port": 0, "workers": 1}
-        cfg["logging"] = {"level": "warning", "logPrompts": False}
+        cfg["logging"] = {"level": "info", "logPrompts": False}  # the access lines name engines
         cfg["health"]["intervalSeconds"] = 2
         cfg["model"]["tokenizer"] = str(engines.model("dense") / "tokenizer.json")
         cfg["model"].pop("tokenizerHub", None)
@@ -92,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--picture", default="docs/goodput.png", help="the heatmap (PNG)")
     p.add_argument("--no-sim", action="store_true", help="the real engines only")
     p.add_argument("--sim-engines", type=int, default=8)
+    p.add_argument("--mixes", default=",".join(m.name for m in workload.MIXES), help="the prompt mixes of the grid")
+    p.add_argument("--no-extras", action="store_true", help="skip the chat and alternating workloads")
+    p.add_argument(
+        "--fractions",
+        default=",".join(f"{f:g}" for f in sweep.RATE_FRACTIONS),
+        help="the arrival rates of the grid, as fractions of the colocated capacity",
+    )
     p.add_argument("--sim-only", action="store_true", help="the simulated engines only")
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -107,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         log("goodput: starting two vLLM engines (flexible layout, kv_both), about a minute")
         backend = RealBackend(work)
         try:
-            opts = sweep.Options(duration=a.duration, warmup=a.warmup)
+            opts = sweep.Options(
+                duration=a.duration,
+                warmup=a.warmup,
+                mixes=tuple(a.mixes.split(",")),
+                extras=not a.no_extras,
+                fractions=tuple(float(f) for f in a.fractions.split(",")),
+            )
             results.append(sweep.Sweep(backend, opts, out, log).run())
         finally:
             backend.stop()

@@ -203,7 +203,7 @@ class Planner:
             c = self._costs(y, now)
             pull = max(1, prompt - held(y))
             step, itl_miss = self._decode(c, out, now)
-            wait = self.model.handoff(pull) + c.prefill.b * c.queued
+            wait = self.model.handoff(pull) + c.prefill.b * c.queued + c.prefill.q * c.queued_sq
             dec.append((itl_miss, wait, step, y))
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None

@@ -367,6 +367,18 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
             "warning",
         )
     )
+    if not b.args.no_goodput:
+        for key, label, pools in (
+            ("ours-direct-goodput", "ours: direct route, goodput decision", nx_pools),
+            (
+                "ours-flex-goodput",
+                "ours: flexible pool, goodput decision",
+                {"layout": "flexible", "decode": {"discovery": "static", "static": [pre, dec]}},
+            ),
+        ):
+            over = {"routing": {"connector": "nixl", "decision": "goodput"}, "pools": pools}
+            r, w = _start_ours(b, st, key, over, "warning")
+            out.append(Target(key, label, "ours", "direct", r.url(), r.pid, w, "warning"))
     if not b.args.no_tracing:
         _traced_targets(b, st, out, direct_over, nx_pools)
     for t in out:  # every target answers before anything is measured
@@ -764,6 +776,65 @@ def _log_line(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[st
     return lines
 
 
+def _goodput_cost(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[str]:
+    """The goodput decision against today's (prefix), a short prompt's direct route, same run:
+    what weighing the options costs the router per request (issue 33: at most 1.2 x)."""
+    rows = []
+    for key, what in (
+        ("ours-direct-goodput", "fixed pools (1 decoder)"),
+        ("ours-flex-goodput", "flexible pool (2 engines)"),
+    ):
+        for conc in concs:
+            for mode in ("no", "yes"):
+                new, old = by.get((key, conc, mode)), by.get(("ours-direct", conc, mode))
+                if not new or not old:
+                    continue
+                cn, co = new.get("cpu_us_per_req"), old.get("cpu_us_per_req")
+                cpu_ratio, rps_ratio = _ratio(cn, co), _ratio(new["rps"], old["rps"])
+                extra.append(
+                    {
+                        "kind": "goodput_cost",
+                        "target": key,
+                        "conc": conc,
+                        "mode": mode,
+                        "cpu_us_goodput": cn,
+                        "cpu_us_prefix": co,
+                        "cpu_ratio": cpu_ratio,
+                        "rps_ratio": rps_ratio,
+                    }
+                )
+                rows.append(
+                    _row(
+                        what,
+                        conc,
+                        mode,
+                        _f(cn, "{:.0f}"),
+                        _f(co, "{:.0f}"),
+                        _f(cpu_ratio),
+                        _f(rps_ratio),
+                    )
+                )
+    if not rows:
+        return []
+    return [
+        "",
+        "**What the goodput decision costs the router** (a short chat prompt, served whole, "
+        "against today's decision, `prefix`, on the same engine; target CPU ratio at most 1.2):",
+        "",
+        _row(
+            "pools",
+            "clients",
+            "stream",
+            "CPU µs/req goodput",
+            "prefix",
+            "CPU goodput / prefix",
+            "req/s goodput / prefix",
+        ),
+        "|---|---:|---|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
 def _tracing_cost(concs: list[int], by: dict[Any, Any], extra: list[Any]) -> list[str]:
     """Tracing on against off (the default), same route, same run: what it costs the router."""
     pairs = (
@@ -1013,6 +1084,7 @@ def render(
         lines += _peer_ratios(concs, by, extra)
         lines += _lmcache_vs_nixl(concs, by, extra)
         lines += _log_line(concs, by, extra)
+        lines += _goodput_cost(concs, by, extra)
         lines += _tracing_cost(concs, by, extra)
     if mixed_rows:
         lines += _mixed_table(mixed_rows)
@@ -1157,6 +1229,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds py-spy samples each of our routes (default 8)",
     )
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument(
+        "--no-goodput",
+        action="store_true",
+        help="skip the goodput decision's rows (its CPU per request against today's decision)",
+    )
     p.add_argument(
         "--no-tracing",
         action="store_true",

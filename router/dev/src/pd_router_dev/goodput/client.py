@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pd_router_dev.goodput.workload import Request, Session, chat_request
+from pd_router_dev.goodput.workload import Request, Session, chat_request, unshared
 
 REQUEST_SECONDS = 300.0  # one request, stream included: past it the request counts as failed
 
@@ -35,6 +35,10 @@ class Record:
     route: str = ""
     reason: str = ""
     predicted_ttft: float | None = None  # from x-pd-predicted (the goodput decision only)
+    predicted_misses: float | None = None
+    rid: str = ""  # its X-Request-Id (the router's access line names its engines by it)
+    engine: str = ""  # the engine that answered, and the one that prefilled (access line)
+    prefiller: str = ""
     answer: str = ""  # a chat turn's text, for the next turn
 
     def summary(self) -> dict[str, Any]:
@@ -51,19 +55,21 @@ class Record:
         return g[max(0, -(-95 * len(g) // 100) - 1)]
 
 
-def _predicted(header: str) -> float | None:
+def _predicted(header: str, key: str = "ttft_ms", scale: float = 1000) -> float | None:
     for part in header.split(";"):
         k, _, v = part.strip().partition("=")
-        if k == "ttft_ms":
+        if k == key:
             try:
-                return float(v) / 1000
+                return float(v) / scale
             except ValueError:
                 return None
     return None
 
 
-async def send(session: aiohttp.ClientSession, base: str, req: Request, t0: float) -> Record:
-    rec = Record(req.at, req.long, req.phase, req.session, req.turn)
+async def send(
+    session: aiohttp.ClientSession, base: str, req: Request, t0: float, rid: str = ""
+) -> Record:
+    rec = Record(req.at, req.long, req.phase, req.session, req.turn, rid=rid)
     chat = req.path.endswith("chat/completions")
     start = time.perf_counter()
     last = 0.0
@@ -73,11 +79,16 @@ async def send(session: aiohttp.ClientSession, base: str, req: Request, t0: floa
             async with session.post(
                 base + req.path,
                 data=orjson.dumps(req.body),
-                headers={"Content-Type": "application/json"},
+                headers={
+                    "Content-Type": "application/json",
+                    **({"X-Request-Id": rid} if rid else {}),
+                },
             ) as r:
                 rec.route = r.headers.get("x-pd-route", "")
                 rec.reason = r.headers.get("x-pd-reason", "")
-                rec.predicted_ttft = _predicted(r.headers.get("x-pd-predicted", ""))
+                pred = r.headers.get("x-pd-predicted", "")
+                rec.predicted_ttft = _predicted(pred)
+                rec.predicted_misses = _predicted(pred, "misses", 1)
                 if r.status != 200:
                     rec.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return rec
@@ -112,7 +123,13 @@ async def send(session: aiohttp.ClientSession, base: str, req: Request, t0: floa
 
 
 async def _session(
-    http: aiohttp.ClientSession, base: str, s: Session, model: str, t0: float, out: list[Record]
+    http: aiohttp.ClientSession,
+    base: str,
+    s: Session,
+    model: str,
+    t0: float,
+    out: list[Record],
+    tag: str,
 ) -> None:
     at = s.at
     for turn in range(len(s.turns)):
@@ -120,7 +137,8 @@ async def _session(
         if delay > 0:
             await asyncio.sleep(delay)  # the session's schedule, not a synchronisation
         req = chat_request(s, turn, model, at)
-        rec = await send(http, base, req, t0)
+        rid = f"{tag}-s{s.index}-{turn}".replace(" ", "-")
+        rec = await send(http, base, unshared(req, tag) if tag else req, t0, rid)
         out.append(rec)
         if not rec.ok:
             return  # a conversation stops at a failed turn
@@ -129,24 +147,30 @@ async def _session(
 
 
 async def drive(
-    base: str, requests: list[Request], chats: list[Session] = (), model: str = ""
+    base: str,
+    requests: list[Request],
+    chats: list[Session] = (),
+    model: str = "",
+    tag: str = "",
 ) -> list[Record]:
     """Send every request at its time and every chat session's turns in order; the records
-    of all of them, once the last one ended."""
+    of all of them, once the last one ended. ``tag``: each prompt made the configuration's own
+    (workload.unshared)."""
     out: list[Record] = []
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
         t0 = time.perf_counter()
 
-        async def at(req: Request) -> None:
+        async def at(req: Request, i: int) -> None:
             delay = t0 + req.at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)  # the arrival schedule, not a synchronisation
-            out.append(await send(http, base, req, t0))
+            rid = f"{tag}-{i}".replace(" ", "-")
+            out.append(await send(http, base, unshared(req, tag) if tag else req, t0, rid))
 
-        tasks = [asyncio.create_task(at(r)) for r in requests]
-        tasks += [asyncio.create_task(_session(http, base, s, model, t0, out)) for s in chats]
+        tasks = [asyncio.create_task(at(r, i)) for i, r in enumerate(requests)]
+        tasks += [asyncio.create_task(_session(http, base, s, model, t0, out, tag)) for s in chats]
         await asyncio.gather(*tasks)
     return out
 

@@ -36,7 +36,8 @@ def table(result: dict[str, Any]) -> str:
         "",
         result["describe"],
         "",
-        f"SLOs (3 x the engines' unloaded latency, measured at the start of the run): "
+        f"SLOs (3 x the engines' unloaded TTFT and 5 x their unloaded gap between tokens, "
+        "measured at the start of the run: pd_router_dev/goodput/slo.py): "
         f"{result['slo_text']}. Colocated capacity (closed loop): "
         + ", ".join(f"{k} {v:.2f} req/s" for k, v in result["capacity"].items())
         + f". {result['options']['duration']:g} s of counted arrivals per cell "

@@ -71,7 +71,7 @@ class SimBackend:
         cfg = yaml.safe_load(DEMO_CONFIG.read_text())
         cfg["model"]["servedName"] = MODEL
         cfg["listen"] = {"host": "127.0.0.1", "port": 0, "workers": 1}
-        cfg["logging"] = {"level": "warning", "logPrompts": False}
+        cfg["logging"] = {"level": "info", "logPrompts": False}  # the access lines name engines
         cfg["health"] = {**cfg.get("health", {}), "intervalSeconds": 2}
         cfg["routing"].update(
             connector="nixl", sessionAffinityHeader="", kvEvents={"enabled": False}

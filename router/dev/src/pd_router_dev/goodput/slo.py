@@ -1,8 +1,13 @@
 """The SLOs and goodput. The SLOs come from the same engines' unloaded latencies, measured at
 the start of the run: TTFT against prompt length (a least-squares line over requests sent one at
-a time) and the median gap between tokens of a lone stream; each bound is ``scale`` times the
+a time) and the median gap between tokens of a lone stream; each bound is a multiple of the
 unloaded figure (DistServe sets its SLOs the same way, as a multiple of one request's latency
-alone). A request is good when it was answered whole, its TTFT is within
+alone): 3 x for TTFT, 5 x for ITL, about what chat services ask of GPUs (a first token within
+a second or two, tokens 50-100 ms apart, against 10-20 ms unloaded). The ITL multiple is the
+larger because a step that carries a short prompt's prefill is slower than a decode step alone
+and should not count as a stall (on the CPU build a 200-token prefill takes 3-4 decode steps; on
+an H100 less than one): what the ITL bound must catch is a long prompt's prefill stalling the
+streams of its engine. A request is good when it was answered whole, its TTFT is within
 ``ttft + ttft_per_token x prompt tokens`` and its ITL p95 within ``itl``; goodput is good
 requests per second of arrivals (DistServe's definition)."""
 
@@ -14,7 +19,8 @@ from dataclasses import asdict, dataclass
 
 from pd_router_dev.goodput.client import Record
 
-SCALE = 3.0  # SLO = 3 x the unloaded latency
+TTFT_SCALE = 3.0  # TTFT SLO = 3 x the unloaded TTFT
+ITL_SCALE = 5.0  # ITL SLO = 5 x the unloaded gap between tokens
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,8 @@ class Slo:
     itl: float
 
     @staticmethod
-    def of(u: Unloaded, scale: float = SCALE) -> Slo:
-        return Slo(u.ttft * scale, u.ttft_per_token * scale, u.itl * scale)
+    def of(u: Unloaded) -> Slo:
+        return Slo(u.ttft * TTFT_SCALE, u.ttft_per_token * TTFT_SCALE, u.itl * ITL_SCALE)
 
     def ttft_bound(self, prompt_tokens: int) -> float:
         return self.ttft + self.ttft_per_token * prompt_tokens

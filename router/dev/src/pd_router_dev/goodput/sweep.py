@@ -62,6 +62,7 @@ class Options:
     seed: int = 33
     mixes: tuple[str, ...] = tuple(m.name for m in workload.MIXES)
     extras: bool = True  # the multi-turn chat and the alternating workload
+    fractions: tuple[float, ...] = RATE_FRACTIONS
 
 
 @dataclass
@@ -108,6 +109,19 @@ def router_configs(backend: Backend, s: Slo) -> dict[str, dict[str, Any]]:
     return out
 
 
+def access_lines(router: Proc) -> dict[str, dict[str, Any]]:
+    """The router's access lines (pd_router.logs.AccessLog) by request id."""
+    out = {}
+    for line in router.log.read_text(errors="replace").splitlines():
+        if '"msg":"request"' in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            out[rec.get("request_id", "")] = rec
+    return out
+
+
 def words_per_token(backend: Backend) -> float:
     """Words of the workload's vocabulary per token, from an engine's own /tokenize."""
     import random
@@ -131,7 +145,7 @@ def calibrate(url: str, model: str, wpt: float, seed: int) -> Unloaded:
     rng = random.Random(seed)
     reqs = []
     for tokens in (100, 500, 1000, 2000, 3000):
-        for _ in range(3):
+        for _ in range(5):
             body = {
                 "model": model,
                 "prompt": workload.text(rng, tokens, wpt),
@@ -153,10 +167,19 @@ def calibrate(url: str, model: str, wpt: float, seed: int) -> Unloaded:
     bad = [r for r in recs if not r.ok]
     if bad:
         raise RuntimeError(f"calibration requests failed: {bad[0].error}")
-    recs = recs[3:]  # the first three warm the engines up
-    return Unloaded.fit(
-        [(r.prompt_tokens, r.ttft or 0.0) for r in recs], [g for r in recs for g in r.gaps]
-    )
+    recs = recs[2:]  # the first two warm the engines up
+    # the median TTFT of each length (a request slowed by something else weighs nothing)
+    by: dict[int, list[Record]] = {}
+    for r in recs:
+        by.setdefault(round(r.prompt_tokens, -2), []).append(r)
+    points = [
+        (
+            statistics.median(r.prompt_tokens for r in rs),
+            statistics.median(r.ttft or 0.0 for r in rs),
+        )
+        for rs in by.values()
+    ]
+    return Unloaded.fit(points, [g for r in recs for g in r.gaps])
 
 
 def _summary(s: Slo, recs: list[Record], start: float, end: float) -> dict[str, Any]:
@@ -214,7 +237,7 @@ class Sweep:
             for m in workload.MIXES:
                 if m.name not in o.mixes:
                     continue
-                for i, f in enumerate(RATE_FRACTIONS):
+                for i, f in enumerate(o.fractions):
                     self._grid_cell(m, f, i)
             if o.extras:
                 self._chat_cell()
@@ -222,20 +245,19 @@ class Sweep:
         finally:
             for p in self.routers.values():
                 p.stop()
-        result = self.result(time.time() - t_start)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"goodput-{b.name}.json").write_text(json.dumps(result, indent=1))
-        return result
+        return self.result(time.time() - t_start)
 
     # ------------------------------------------------------------------ cells
     def _capacity(self, mix: workload.Mix) -> float:
         import random
 
-        rng = random.Random(self.o.seed)
+        rng = random.Random(self.o.seed + 1000)
         b = self.b
 
-        def make(i: int) -> workload.Request:
-            return workload.one(rng, mix, b.model, self.wpt, 0.0)
+        def make(i: int) -> workload.Request:  # prompts of their own (no cell finds them cached)
+            return workload.unshared(
+                workload.one(rng, mix, b.model, self.wpt, 0.0), f"capacity {mix.name}"
+            )
 
         clients = self.o.clients_per_engine * len(b.engines)
         cap = asyncio.run(
@@ -256,10 +278,19 @@ class Sweep:
     def _run(
         self, setup: str, reqs: list[workload.Request], chats: list[workload.Session] | None = None
     ) -> list[Record]:
-        url = self.routers[setup].url()
-        return asyncio.run(
-            client.drive(url, copy.deepcopy(reqs), copy.deepcopy(chats or []), self.b.model)
+        router = self.routers[setup]
+        tag = f"{setup} {len(self.cells)}"  # nothing cached by another configuration or cell
+        recs = asyncio.run(
+            client.drive(
+                router.url(), copy.deepcopy(reqs), copy.deepcopy(chats or []), self.b.model, tag
+            )
         )
+        lines = access_lines(router)
+        for r in recs:
+            line = lines.get(r.rid)
+            if line is not None:
+                r.engine, r.prefiller = line.get("engine", ""), line.get("prefiller", "")
+        return recs
 
     def _grid_cell(self, mix: workload.Mix, frac: float, k: int) -> None:
         o = self.o

@@ -78,6 +78,22 @@ LONG = Mix("long-heavy-60%", 0.6)
 MIXES = (SHORT, MIXED, LONG)
 
 
+def unshared(req: Request, tag: str) -> Request:
+    """``req`` as a configuration sends it: the same prompt behind a few words of its own
+    (``tag``) and vLLM's ``cache_salt`` (in every KV block's identity), so that no
+    configuration finds in the engines' prefix caches what another left there; a chat
+    session's turns still share their conversation."""
+    body = dict(req.body)
+    body["cache_salt"] = tag
+    if "prompt" in body:
+        body["prompt"] = f"{tag}: {body['prompt']}"
+    else:
+        msgs = [dict(m) for m in body["messages"]]
+        msgs[0]["content"] = f"{tag}: {msgs[0]['content']}"
+        body["messages"] = msgs
+    return Request(req.at, req.path, body, req.long, req.phase, req.session, req.turn)
+
+
 @dataclass
 class Request:
     at: float  # seconds after the cell's start
