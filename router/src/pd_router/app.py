@@ -167,7 +167,14 @@ class Router:
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, cfg.model.served_name
         )
         # the goodput decision's cost model (pd_router.costs), learnt from the legs' calls
-        self.costs = CostModel(routing.goodput) if routing.decision == "goodput" else None
+        self.costs = (
+            CostModel(
+                routing.goodput,
+                report=lambda engine, what, v: m.engine_costs.labels(engine, what).set(v),
+            )
+            if routing.decision == "goodput"
+            else None
+        )
         self.decider = Decider(cfg.routing, self.counter, self.events, self.costs)
         self.decider.base_names = (cfg.model.served_name,)
         # The hand-off is chosen once, here (routing.connector), with all it needs.

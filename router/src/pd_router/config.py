@@ -125,6 +125,10 @@ class GoodputSeed:
     prefill_tokens_per_second: float = 0.0
     decode_step_seconds: float = 0.0
     handoff_seconds: float = 0.0
+    # the engines' max_num_batched_tokens (vLLM's chunk a step), which they do not say: 0 =
+    # 2048, vLLM 0.31's default for the API server on CPU and below 70 GiB of device memory
+    # (8192 on H100/H200: engine/arg_utils.py)
+    chunk_tokens: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ Per engine (:class:`EngineCosts`), from the router's own observations of its cal
   sent (the batch it joins);
 - **decode step**: the gap between two tokens of a stream on it while it prefills nothing,
   against the streams decoding on it: ``seconds = s0 + s1 x streams``;
-- **chunk**: how many prompt tokens one step prefills at most (vLLM's chunked prefill,
-  ``max_num_batched_tokens``; a step that carries a chunk takes ``step + k x chunk``), from the
-  gaps a prefill stretched;
+- **stall**: what a prompt token adds to the step that prefills it, from the gap of a stream
+  that ended with the step that produced a prompt's first token (vLLM's chunked prefill cuts a
+  long prompt into chunks of ``max_num_batched_tokens``, ``seed.chunkTokens``, each a step);
 - **slow steps**: the decode steps per second stretched past ``routing.goodput.itlSeconds`` by
   the prefills placed on it (decayed over ``windowSeconds``): what a request decoding there
   should expect.
@@ -51,7 +51,7 @@ PRIOR_STEP_PER_STREAM = 0.0002
 PRIOR_HANDOFF = 0.03
 PRIOR_HANDOFF_PER_TOKEN = 1e-6
 # vLLM's max_num_batched_tokens for the OpenAI server below 70 GiB of device memory and on CPU
-# (engine/arg_utils.py, 0.31.0); learnt from stretched gaps where larger
+# (engine/arg_utils.py, 0.31.0; 8192 on H100/H200): routing.goodput.seed.chunkTokens otherwise
 PRIOR_CHUNK_TOKENS = 2048
 PRIOR_WEIGHT = 2.0
 MEMORY = 64  # samples a fit remembers, about
@@ -60,6 +60,12 @@ FORGET = 1.0 - 1.0 / MEMORY
 # step that carries a chunk is to be past the ITL bound.
 STEP_SPREAD = 0.2
 MAX_CHUNKS = 64  # chunks of a prompt weighed one by one (the rest at the last one's rate)
+# Gaps an engine's observed share of slow gaps is held towards the prefills' prediction by,
+# until that many were seen over the window.
+SEEN_PRIOR = 20.0
+# A stall sample needs a stream's gap to end within this many decode steps of a first token.
+STEP_MATCH = 0.5
+STALL_PRIOR = 1.0  # stall samples the prefill fit's k counts as (see EngineCosts.stall_per_token)
 PRIOR_FADE = 0.9  # a prefill fit's prior weighs a tenth of a sample after about 30 samples
 ITL_QUANTILE = 0.95  # the SLO is on each request's ITL p95 (DistServe's TPOT/ITL SLO)
 # A request whose output budget is unknown (no max_tokens) is taken to decode this many tokens.
@@ -108,99 +114,89 @@ class Fit:
 
 
 class PrefillFit:
-    """A prefill's time against the prompts it waits behind and its own: ``a + k x sum(n) +
-    q x sum(n^2)`` over the uncached tokens ``n`` of each (attention's cost grows with the
-    square of a prompt's length: on the CPU build a 2,500-token prompt takes 0.15 ms a token,
-    a 200-token one 0.12), by least squares with :class:`Fit`'s forgetting. Its prior line
-    (q = 0) weighs ``PRIOR_WEIGHT`` samples and fades faster than samples do
-    (``PRIOR_FADE`` each), so that a prior far from the engine's truth cannot bend the curve
-    at lengths no sample has reached yet for long."""
+    """A prefill's time against what it waits behind and its own prompt: ``a + k x sum(n) +
+    q x sum(n^2) + c x steps`` over the uncached tokens ``n`` of each prompt (attention's cost
+    grows with the square of a prompt's length: on the CPU build a 2,500-token prompt takes
+    0.15 ms a token, a 200-token one 0.1) and the steps they take (a step per chunk of vLLM's
+    budget, each carrying the engine's decodes too), so that ``k`` and ``q`` are the prefill's
+    own compute: what a chunk adds to a decode step. Least squares with :class:`Fit`'s
+    forgetting; its prior (the prior line, q = 0, c = the prior step) holds each coefficient
+    like ``PRIOR_WEIGHT`` samples and fades faster than samples do (``PRIOR_FADE`` each), so
+    that a prior far from the engine's truth cannot bend the fit at lengths no sample has
+    reached yet for long."""
 
-    __slots__ = ("a", "b", "m", "mp", "n", "pw", "q", "v", "vp")
+    __slots__ = ("a", "b", "beta0", "c", "m", "n", "pw", "q", "v")
 
-    def __init__(self, a: float, b: float, x0: float) -> None:
-        self.a, self.b, self.q = a, b, 0.0
+    def __init__(self, a: float, b: float, step: float) -> None:
+        # features in thousands of tokens (and millions squared): well conditioned
+        self.beta0 = [a, b * _K, 0.0, step]
+        self.a, self.b, self.q, self.c = a, b, 0.0, step
         self.n = 0
-        # normal equations over (1, x, x2) in thousands of tokens: the samples' (m, v) and
-        # the prior's at unit weight (mp, vp), weighed pw
-        self.m = [[0.0] * 3 for _ in range(3)]
-        self.v = [0.0] * 3
-        self.mp = [[0.0] * 3 for _ in range(3)]
-        self.vp = [0.0] * 3
+        self.m = [[0.0] * 4 for _ in range(4)]
+        self.v = [0.0] * 4
         self.pw = PRIOR_WEIGHT
-        for x in (x0 / 8, x0):  # two prior points on the line, a short and a long prompt
-            _acc(self.mp, self.vp, (1.0, x / _K, x * x / _K2), a + b * x, 0.5)
 
-    def add(self, x: float, x2: float, y: float) -> None:
-        """A prefill of ``x`` tokens in all (``x2`` the sum of each prompt's square) took
-        ``y`` seconds."""
+    def add(self, x: float, x2: float, steps: float, y: float) -> None:
+        """A prefill of ``x`` tokens in all (``x2`` the sum of each prompt's square) over
+        ``steps`` steps took ``y`` seconds."""
         d = FORGET
-        for row in self.m:
-            row[0] *= d
-            row[1] *= d
-            row[2] *= d
-        self.v = [e * d for e in self.v]
-        _acc(self.m, self.v, (1.0, x / _K, x2 / _K2), y, 1.0)
+        f = (1.0, x / _K, x2 / _K2, steps)
+        m, v = self.m, self.v
+        for i in range(4):
+            v[i] = v[i] * d + f[i] * y
+            row = m[i]
+            for j in range(4):
+                row[j] = row[j] * d + f[i] * f[j]
         self.pw *= PRIOR_FADE
         self.n += 1
+        # ridge towards the prior, each coefficient held like pw samples at its feature's scale
+        scale = [1.0, 1.0, 1.0, 1.0]
         pw = self.pw
-        m = [[self.m[i][j] + pw * self.mp[i][j] for j in range(3)] for i in range(3)]
-        v = [self.v[i] + pw * self.vp[i] for i in range(3)]
-        sol = _solve3(m, v)
+        mm = [row[:] for row in m]
+        vv = v[:]
+        for i in range(4):
+            mm[i][i] += pw * scale[i]
+            vv[i] += pw * scale[i] * self.beta0[i]
+        sol = _solve(mm, vv)
         if sol is None:
             return
-        a, b, q = sol
-        if q < 0 or b < 0:  # a cost falling with its load is noise: keep the line's fit
+        a, b, q, c = sol
+        # a cost falling with its load is noise: such a coefficient is held at its prior
+        if b < 0:
+            b = self.beta0[1]
+        if q < 0:
             q = 0.0
-            sol2 = _solve2([r[:2] for r in m[:2]], v[:2])
-            if sol2 is None:
-                return
-            a, b = sol2
-            b = max(0.0, b)
-        self.a, self.b, self.q = max(0.0, a), b / _K, q / _K2
+        if c < 0:
+            c = 0.0
+        self.a, self.b, self.q, self.c = max(0.0, a), b / _K, q / _K2, c
 
-    def __call__(self, x: float, x2: float) -> float:
-        return self.a + self.b * x + self.q * x2
-
-
-def _acc(
-    m: list[list[float]], v: list[float], f: tuple[float, float, float], y: float, w: float
-) -> None:
-    for i in range(3):
-        v[i] += w * f[i] * y
-        for j in range(3):
-            m[i][j] += w * f[i] * f[j]
+    def __call__(self, x: float, x2: float, steps: float) -> float:
+        return self.a + self.b * x + self.q * x2 + self.c * steps
 
 
 _K = 1000.0  # PrefillFit's features in thousands of tokens (and millions of tokens squared)
 _K2 = _K * _K
 
 
-def _solve2(m: list[list[float]], v: list[float]) -> tuple[float, float] | None:
-    det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
-    if abs(det) <= 1e-12 * abs(m[0][0] * m[1][1]) or det == 0:
-        return None
-    return ((v[0] * m[1][1] - m[0][1] * v[1]) / det, (m[0][0] * v[1] - m[1][0] * v[0]) / det)
-
-
-def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float] | None:
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(v)
     a = [[*row, v[i]] for i, row in enumerate(m)]
-    for c in range(3):
-        p = max(range(c, 3), key=lambda r: abs(a[r][c]))
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
         if abs(a[p][c]) < 1e-300:
             return None
         a[c], a[p] = a[p], a[c]
-        for r in range(c + 1, 3):
+        for r in range(c + 1, n):
             f = a[r][c] / a[c][c]
-            for k in range(c, 4):
+            for k in range(c, n + 1):
                 a[r][k] -= f * a[c][k]
-    x = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        x[r] = (a[r][3] - sum(a[r][k] * x[k] for k in range(r + 1, 3))) / a[r][r]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
     if not all(math.isfinite(e) for e in x):
         return None
-    return x[0], x[1], x[2]
+    return x
 
 
 class Rate:
@@ -229,6 +225,7 @@ class Job:
     prefill leg) or ``decode`` (a decode leg, its KV pulled from a prefiller)."""
 
     __slots__ = (
+        "ahead",
         "costs",
         "decoding",
         "ended",
@@ -237,13 +234,12 @@ class Job:
         "kind",
         "out",
         "prefilled",
-        "queued",
-        "queued_sq",
         "slow",
         "slow_budget",
         "slow_gap_sum",
         "slow_steps",
         "step0",
+        "steps",
         "stream",
         "streams_sum",
         "t_due",
@@ -251,6 +247,7 @@ class Job:
         "t_first",
         "t_send",
         "tokens",
+        "usual",
     )
 
     def __init__(
@@ -266,24 +263,25 @@ class Job:
         self.costs = costs
         self.kind = kind
         self.tokens = tokens  # prompt tokens this call computes (or pulls, for a decode leg)
+        self.steps = costs.steps_of(tokens)  # the steps its prefill takes
         self.out = out  # output tokens it may decode
         self.stream = stream
-        self.slow_steps = slow_steps  # its prefill's steps past the ITL bound
+        self.slow_steps = slow_steps  # its prefill's steps expected past the ITL bound
         self.t_send = now
         self.step0 = 0.0  # the engine's decode step when this was sent (part of its TTFT)
+        self.ahead = (0, 0, 0)  # the engine's queue when this was sent: tokens, squares, steps
         self.t_first = 0.0
         self.t_due = 0.0  # a whole answer not streamed: when its prefill is taken to end
         self.t_end = 0.0
-        self.queued = 0  # the engine's queued prefill tokens when this was sent
-        self.queued_sq = 0  # ... the sum of their squares
         self.decoding = False
         self.prefilled = kind == "decode"  # its prompt is no longer in the engine's queue
         self.ended = False
         self.gaps = 0
         self.slow = 0  # gaps past the ITL bound seen so far
-        self.gap_sum = 0.0  # of the gaps within the bound
-        self.slow_gap_sum = 0.0
-        self.streams_sum = 0  # streams decoding on the engine, summed over the gaps counted
+        self.usual = 0  # gaps within twice the bound (what the step fit learns from)
+        self.gap_sum = 0.0  # of those
+        self.slow_gap_sum = 0.0  # of the gaps past the bound
+        self.streams_sum = 0  # streams decoding on the engine, summed over the usual gaps
         # slow gaps it may see and still meet its ITL p95
         self.slow_budget = int((1 - ITL_QUANTILE) * max(1, out))
 
@@ -292,17 +290,22 @@ class Job:
         if self.t_first or self.ended:
             return
         self.t_first = now
-        c = self.costs
-        c.first_token(self, now)
+        self.costs.first_token(self, now)
 
-    def gap(self, dt: float) -> None:
-        """One more chunk of its stream, ``dt`` seconds after the one before."""
+    def gap(self, dt: float, now: float) -> None:
+        """One more chunk of its stream, ``dt`` seconds after the one before, at ``now``."""
         c = self.costs
         self.gaps += 1
+        c.seen_gaps += 1
+        c.saw_gap(dt, now)
         if dt > c.itl_bound:
             self.slow += 1
             self.slow_gap_sum += dt
-        else:
+            c.seen_slow += 1
+        # a step slowed by the machine (or a short prefill) still teaches the step; a long
+        # prefill's stall does not
+        if dt <= 2 * c.itl_bound:
+            self.usual += 1
             self.gap_sum += dt
             self.streams_sum += c.decoding
 
@@ -316,59 +319,108 @@ class Job:
     def answered(self) -> None:
         """A prefill leg answered well: its time teaches the prefill fit."""
         if self.kind == "prefill" and self.ended:
-            c = self.costs
-            c.prefill.add(
-                self.queued + self.tokens,
-                self.queued_sq + self.tokens * self.tokens,
-                self.t_end - self.t_send - self.step0,
-            )
+            self.costs.learn_prefill(self, self.t_end)
 
 
 class EngineCosts:
     """One engine's fits and what it carries (see the module docstring)."""
 
     __slots__ = (
+        "base",
         "chunk",
         "clock",
         "decoding",
+        "gaps_d",
         "itl_bound",
         "jobs",
+        "last_gap",
+        "last_prefill",
         "model",
         "prefill",
-        "queued",
+        "q_sq",
+        "q_steps",
+        "q_tokens",
         "queued_slow",
-        "queued_sq",
+        "reported",
+        "seen_at",
+        "seen_gaps",
+        "seen_slow",
         "slow",
+        "slow_d",
         "slow_gap",
+        "stall_xx",
+        "stall_xy",
         "step",
+        "tau",
         "unseen",
     )
 
-    def __init__(self, model: CostModel) -> None:
+    def __init__(self, model: CostModel, base: str = "") -> None:
         self.model = model
+        self.base = base
+        self.reported = 0.0
         self.clock = model.clock
         g = model.cfg
-        tau = g.window_seconds
+        self.tau = g.window_seconds
         seed = g.seed
         tps = seed.prefill_tokens_per_second or PRIOR_PREFILL_TOKENS_PER_SECOND
-        self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, 4096.0)
         step = seed.decode_step_seconds or PRIOR_STEP
+        self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
         self.step = Fit(step, PRIOR_STEP_PER_STREAM, 32.0)
-        self.chunk = float(PRIOR_CHUNK_TOKENS)
-        self.slow = Rate(tau)  # slow steps per second the prefills placed here cause
+        # vLLM's max_num_batched_tokens: not said by the engine, nor learnt (the gaps a prompt
+        # stretches show its chunks' cost, not where vLLM cut them); seed.chunkTokens sets it
+        self.chunk = float(seed.chunk_tokens or PRIOR_CHUNK_TOKENS)
+        self.slow = Rate(self.tau)  # slow steps per second the prefills placed here cause
         self.slow_gap = 0.0  # mean duration of a gap past the bound, observed (0: none yet)
         self.itl_bound = g.itl_seconds
-        self.queued = 0  # prompt tokens sent here and not yet prefilled
-        self.queued_sq = 0  # the sum of their prompts' squares (PrefillFit)
+        # prompts sent here and not yet prefilled: their tokens, squares and steps
+        self.q_tokens = 0
+        self.q_sq = 0
+        self.q_steps = 0
         self.queued_slow = 0.0  # slow steps those prefills are expected to cause
         self.decoding = 0  # streams decoding here
         self.jobs: set[Job] = set()
         # whole answers not streamed: the router never sees their first token, so each leaves
         # the queue when its prefill was predicted to end (refresh)
         self.unseen: list[Job] = []
+        # the gaps of its streams, and those past the ITL bound: counted as they come
+        # (seen_*), folded into sums decayed over the window at each decision (*_d)
+        self.seen_gaps = self.seen_slow = 0
+        self.gaps_d = self.slow_d = 0.0
+        self.seen_at = 0.0
+        # what a prompt's last chunk added to the step that produced its first token, seen in
+        # the gap of a stream on this engine that ended with that step: least squares through
+        # the origin (stall = k x tokens), held towards the prefill fit's k like
+        # STALL_PRIOR samples of a 256-token chunk
+        self.stall_xy = self.stall_xx = 0.0
+        self.last_prefill = (0.0, 0)  # (when, tokens) of the last first token seen here
+        self.last_gap = (0.0, 0.0)  # (when it ended, how long) of the last gap seen here
+
+    @property
+    def queued(self) -> int:
+        """Prompt tokens sent here and not yet prefilled."""
+        return self.q_tokens
+
+    def steps_of(self, tokens: int) -> int:
+        return max(1, math.ceil(tokens / max(16.0, self.chunk)))
 
     def refresh(self, now: float) -> None:
-        """Move the unseen whole answers whose prefill should be over to decoding."""
+        """Fold the gaps counted since the last decision into the decayed sums; move the
+        unseen whole answers whose prefill should be over to decoding."""
+        d = math.exp(-(now - self.seen_at) / self.tau) if self.seen_at else 1.0
+        self.gaps_d = self.gaps_d * d + self.seen_gaps
+        self.slow_d = self.slow_d * d + self.seen_slow
+        self.seen_at = now
+        self.seen_gaps = self.seen_slow = 0
+        report = self.model.report
+        if report is not None and now - self.reported >= 1.0:
+            self.reported = now
+            b = self.base
+            report(b, "prefill_seconds_per_token", self.prefill.b)
+            report(b, "stall_seconds_per_token", self.stall_per_token())
+            report(b, "decode_step_seconds", self.step(self.decoding))
+            report(b, "slow_gap_share", self.slow_share(now))
+            report(b, "chunk_tokens", self.chunk)
         if not self.unseen:
             return
         keep = []
@@ -384,31 +436,74 @@ class EngineCosts:
         self.unseen = keep
 
     # ------------------------------------------------------------------ predictions
-    def prefill_seconds(self, tokens: float) -> float:
+    def prefill_seconds(self, tokens: int) -> float:
         """Until the first token of a prompt of ``tokens`` uncached tokens sent now: the step
-        running (its decodes batched with the chunks), then the prompts queued ahead and this
-        one."""
+        running, then the prompts queued ahead and this one, their chunks each a step that
+        carries the engine's decodes too."""
         return self.step(self.decoding) + self.prefill(
-            self.queued + tokens, self.queued_sq + tokens * tokens
+            self.q_tokens + tokens,
+            self.q_sq + tokens * tokens,
+            self.q_steps + self.steps_of(tokens),
         )
+
+    def queue_seconds(self) -> float:
+        """What the prompts queued here add to the first token of a request that arrives now
+        (a decode leg's, whose own prefill happened elsewhere)."""
+        p = self.prefill
+        return p.b * self.q_tokens + p.q * self.q_sq + p.c * self.q_steps
 
     def step_seconds(self, streams: int) -> float:
         return self.step(streams)
 
+    def stall_per_token(self) -> float:
+        """What a prompt token adds to the step that prefills it, as the streams here saw it
+        (the prefill fit's ``k`` until they did)."""
+        x0 = STALL_PRIOR * 256.0 * 256.0
+        return (self.stall_xy + x0 * self.prefill.b) / (self.stall_xx + x0)
+
+    def chunk_seconds(self, done: float, c: float) -> float:
+        """A step that carries ``c`` prompt tokens of a prompt ``done`` tokens in: the decode
+        step and that chunk's compute (the stall seen per token, with attention's growth over
+        the tokens before it from the prefill fit)."""
+        p = self.prefill
+        return self.step(self.decoding) + self.stall_per_token() * c + p.q * 2 * done * c
+
+    def _stall(self, tokens: int, gap: float) -> None:
+        """A gap that ended with the step that prefilled ``tokens`` (its last chunk)."""
+        y = gap - self.step(self.decoding)
+        if y > 0 and tokens > 0:
+            d = FORGET
+            self.stall_xy = self.stall_xy * d + tokens * y
+            self.stall_xx = self.stall_xx * d + tokens * tokens
+
+    def saw_first_token(self, tokens: int, now: float) -> None:
+        """A prompt of ``tokens`` uncached tokens was prefilled here just now (its first
+        token): the gap of a stream that ended with the same step teaches the stall."""
+        last = min(float(tokens), self.chunk)
+        t, g = self.last_gap
+        if t and now - t < STEP_MATCH * self.step(self.decoding):
+            self._stall(int(last), g)
+        self.last_prefill = (now, int(last))
+
+    def saw_gap(self, dt: float, now: float) -> None:
+        t, n = self.last_prefill
+        if t and now - t < STEP_MATCH * self.step(self.decoding):
+            self._stall(n, dt)
+            self.last_prefill = (0.0, 0)  # one sample a step
+        self.last_gap = (now, dt)
+
     def slow_steps(self, tokens: int) -> float:
         """The steps past the ITL bound that prefilling ``tokens`` here is expected to cause
-        its decoding streams: each chunk of the prompt (vLLM's budget a step) takes a decode
-        step plus its share of the prefill fit, and is past the bound with the chance a
-        prediction that far from it is wrong (``STEP_SPREAD``): a prompt whose chunks all fit
-        well within the bound stretches nothing, one near it a fraction of a step."""
-        k, q = self.prefill.b, self.prefill.q
-        s = self.step(self.decoding)
+        its decoding streams: each chunk of the prompt (vLLM's budget a step) is past the bound
+        with the chance a prediction that far from it is wrong (``STEP_SPREAD``): a prompt
+        whose chunks all fit well within the bound stretches nothing, one near it a fraction
+        of a step."""
         bound = math.log(self.itl_bound)
         size = max(16.0, self.chunk)
-        total, done, n = 0.0, 0.0, 0
+        total, done, n, t = 0.0, 0.0, 0, self.itl_bound
         while done < tokens and n < MAX_CHUNKS:
             c = min(size, tokens - done)
-            t = s + k * c + q * ((done + c) ** 2 - done**2)
+            t = self.chunk_seconds(done, c)
             total += _above(math.log(t) - bound, STEP_SPREAD)
             done += c
             n += 1
@@ -416,25 +511,28 @@ class EngineCosts:
             total += (tokens - done) / size * _above(math.log(t) - bound, STEP_SPREAD)
         return total
 
-    def slow_gap_seconds(self, tokens: int) -> float:
-        """How long the first of those steps takes."""
-        c = min(float(tokens), self.chunk)
-        return self.step(self.decoding) + self.prefill.b * c + self.prefill.q * c * c
+    def slow_share(self, now: float) -> float:
+        """The share of this engine's gaps to expect past the ITL bound: what its streams saw
+        over the window (a machine, a batch or prefills that stretch its steps, all alike),
+        held towards what the prefills placed here predict until ``SEEN_PRIOR`` gaps were
+        seen."""
+        model = min(1.0, self.stretch(now) * self.step(self.decoding))
+        return (self.slow_d + SEEN_PRIOR * model) / (self.gaps_d + SEEN_PRIOR)
 
     def harm(self, slow_steps: float, now: float) -> float:
         """The expected number of streams decoding here that ``slow_steps`` more stretched
-        steps push past their ITL p95: for each, the chance that the stretched steps still to
-        come (those of the prefills queued ahead, then Poisson at this engine's slow-step rate
-        over what it has left to decode) exceed its budget of slow gaps left, with these steps
-        less without them. A stream already past its budget is not counted again; one with
-        budget to spare costs a little, so prefills drift to where few streams decode."""
+        steps push past their ITL p95: for each, the chance that the stretched gaps still to
+        come (those of the prefills queued ahead, then this engine's share of slow gaps over
+        what it has left to decode) exceed its budget left, with these steps less without
+        them. A stream already past its budget is not counted again; one with budget to spare
+        costs a little, so prefills drift to where few streams decode."""
         if slow_steps <= 0.001:
             return 0.0
         # a fraction of a step: that chance of one more (whole steps and a part)
         whole = math.floor(slow_steps)
         part = slow_steps - whole
         ahead = self.queued_slow
-        per_token = self.stretch(now) * self.step(self.decoding)
+        share = self.slow_share(now)
         total = 0.0
         for j in self.jobs:
             if not j.decoding or j.gaps >= j.out:
@@ -442,7 +540,7 @@ class EngineCosts:
             left = math.floor(j.slow_budget - j.slow - ahead)
             if left < 0:
                 continue
-            future = per_token * (j.out - j.gaps)
+            future = share * (j.out - j.gaps)
             now_miss = poisson_above(future, left)
             more = poisson_above(future, left - whole) - now_miss
             if part:
@@ -451,21 +549,21 @@ class EngineCosts:
         return total
 
     def stretch(self, now: float) -> float:
-        """Stretched gaps to expect per decode step a stream spends here: the slow-step rate
-        over the time a token takes, which the stretched steps lengthen in turn (an engine
-        prefilling a share ``r x gap`` of its time decodes ``1 - r x gap`` of it)."""
+        """Stretched gaps to expect per decode step a stream spends here, by the prefills
+        placed here: their slow-step rate over the time a token takes, which the stretched
+        steps lengthen in turn (an engine prefilling a share ``r x gap`` of its time decodes
+        ``1 - r x gap`` of it)."""
         rate = self.slow.value(now)
         if rate <= 0:
             return 0.0
-        gap = self.slow_gap or self.slow_gap_seconds(int(self.chunk))
+        gap = self.slow_gap or self.chunk_seconds(0.0, self.chunk)
         return rate / max(0.1, 1.0 - rate * gap)
 
     # ------------------------------------------------------------------ bookkeeping
     def start(self, kind: str, tokens: int, out: int, stream: bool, now: float) -> Job:
-        slow = self.slow_steps(tokens) if kind != "decode" else 0
+        slow = self.slow_steps(tokens) if kind != "decode" else 0.0
         job = Job(self, kind, tokens, out, stream, slow, now)
-        job.queued = self.queued
-        job.queued_sq = self.queued_sq
+        job.ahead = (self.q_tokens, self.q_sq, self.q_steps)
         job.step0 = self.step(self.decoding)
         if kind == "decode":
             job.decoding = True  # its first step only loads what was pulled
@@ -474,8 +572,9 @@ class EngineCosts:
             if kind == "whole" and not stream:
                 job.t_due = now + self.prefill_seconds(tokens)
                 self.unseen.append(job)
-            self.queued += tokens
-            self.queued_sq += tokens * tokens
+            self.q_tokens += tokens
+            self.q_sq += tokens * tokens
+            self.q_steps += job.steps
             self.queued_slow += slow
             if slow:
                 self.slow.add(slow, now)
@@ -484,28 +583,33 @@ class EngineCosts:
 
     def _prefilled(self, job: Job, now: float, learn: bool) -> None:
         """``job``'s prompt is prefilled: out of the queue; ``learn``: its time teaches the
-        prefill fit (the queue it waited behind and its own tokens)."""
+        prefill fit (the queue it waited behind and its own prompt)."""
         if job.prefilled:
             return
         job.prefilled = True
-        self.queued -= job.tokens
-        self.queued_sq -= job.tokens * job.tokens
+        self.q_tokens -= job.tokens
+        self.q_sq -= job.tokens * job.tokens
+        self.q_steps -= job.steps
         self.queued_slow -= job.slow_steps
         if learn:
-            self.prefill.add(
-                job.queued + job.tokens,
-                job.queued_sq + job.tokens * job.tokens,
-                now - job.t_send - job.step0,
-            )
+            self.learn_prefill(job, now)
+
+    def learn_prefill(self, job: Job, now: float) -> None:
+        x, x2, steps = job.ahead
+        n = job.tokens
+        self.prefill.add(x + n, x2 + n * n, steps + job.steps, now - job.t_send - job.step0)
 
     def first_token(self, job: Job, now: float) -> None:
         if job.kind == "whole":
+            self.saw_first_token(job.tokens, now)
             self._prefilled(job, now, True)
             job.decoding = True
             self.decoding += 1
         elif job.kind == "decode":
             # the pull and its first step, less the prompts queued ahead of it here
-            waited = now - job.t_send - self.prefill.b * job.queued - self.prefill.q * job.queued_sq
+            x, x2, steps = job.ahead
+            p = self.prefill
+            waited = now - job.t_send - (p.b * x + p.q * x2 + p.c * steps)
             self.model.handoff.add(job.tokens, waited)
 
     def ended(self, job: Job, now: float) -> None:
@@ -515,18 +619,11 @@ class EngineCosts:
         self._prefilled(job, now, False)
         if job.decoding:
             self.decoding -= 1
-        gaps = job.gaps - job.slow
-        if gaps > 0:
-            self.step.add(job.streams_sum / gaps, job.gap_sum / gaps)
+        if job.usual > 0:
+            self.step.add(job.streams_sum / job.usual, job.gap_sum / job.usual)
         if job.slow:
             mean = job.slow_gap_sum / job.slow
             self.slow_gap = mean if not self.slow_gap else 0.8 * self.slow_gap + 0.2 * mean
-            # a gap shorter than a whole pending prefill would take was cut by the chunk budget
-            k = self.prefill.b
-            if k > 0:
-                tokens = (mean - self.step(self.decoding)) / k
-                if tokens > 16:
-                    self.chunk = 0.8 * self.chunk + 0.2 * tokens
 
 
 def poisson_above(mean: float, k: int) -> float:
@@ -559,13 +656,21 @@ class CostModel:
     """The fits and loads of every engine this router process sends to, and the pooled
     hand-off fit (see the module docstring)."""
 
-    def __init__(self, cfg: Goodput, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: Goodput,
+        clock: Clock = time.perf_counter,
+        report: Callable[[str, str, float], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.clock = clock
         seed = cfg.seed
         h = seed.handoff_seconds or PRIOR_HANDOFF
         self.handoff = Fit(h, PRIOR_HANDOFF_PER_TOKEN, 4096.0)
         self._engines: dict[tuple[str, int], EngineCosts] = {}
+        # (engine, quantity, value): what the model believes, for pd_router_engine_cost, at most
+        # once a second per engine (EngineCosts.refresh)
+        self.report = report
         # UTF-8 bytes per token of the prompts counted exactly: sizes the prompts that are not
         # (pd_router.decide, a short prompt weighed at its upper bound)
         self.bytes_per_token = float(BYTES_PER_TOKEN)
@@ -584,7 +689,7 @@ class CostModel:
         key = (base, generation)
         c = self._engines.get(key)
         if c is None:
-            c = self._engines[key] = EngineCosts(self)
+            c = self._engines[key] = EngineCosts(self, base)
             for k in [k for k in self._engines if k[0] == base and k[1] < generation]:
                 del self._engines[k]
         return c

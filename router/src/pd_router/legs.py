@@ -542,7 +542,7 @@ class Legs:
                         if last:
                             itl_h.observe(now - last)
                             if job is not None:
-                                job.gap(now - last)
+                                job.gap(now - last, now)
                         else:
                             ctx.t_first = now
                         last = now

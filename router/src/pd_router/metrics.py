@@ -268,6 +268,17 @@ class Metrics:
             buckets=_RATIO,
             registry=r,
         )
+        self.engine_costs = Gauge(
+            "pd_router_engine_cost",
+            "What the goodput decision's cost model believes of each engine (routing.decision "
+            "goodput; pd_router.costs): prefill_seconds_per_token, stall_seconds_per_token (what "
+            "a prompt token adds to the step that prefills it, as its streams saw it), "
+            "decode_step_seconds (at its current streams), slow_gap_share (of its streams' gaps "
+            "past routing.goodput.itlSeconds), chunk_tokens",
+            ["engine", "quantity"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.passthrough = Counter(
             "pd_router_passthrough_requests",
             "Requests to vLLM's other endpoints (/v1/responses, /tokenize, ...), relayed to a "

@@ -9,8 +9,8 @@ For every option the router predicts:
   does not hold; split X -> Y, X's prefill the same way, then the hand-off (the pull of what Y
   does not hold and Y's first step) behind what Y has queued;
 - its **ITL p95**: the decoding engine's step time with one more stream, and how many of its
-  steps a prefill chunk will stretch past the ITL bound while it decodes (that engine's
-  slow-step rate times the request's decode time);
+  gaps will pass the ITL bound while it decodes (the share of that engine's gaps its streams
+  saw past the bound over the window, whatever stretched them, times the request's tokens);
 - the **harm** it does: the streams decoding on the engine that prefills it which this
   prefill's stretched steps push past their ITL p95 (each stream's slow-gap budget is 5 % of
   its output tokens, less the slow gaps it has seen and those the prefills queued ahead will
@@ -18,23 +18,26 @@ For every option the router predicts:
 
 It then counts the **expected SLO misses** of each option: the chance that its TTFT passes its
 bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance that more of
-its gaps than its budget are stretched (Poisson at the expected count), 1 when its step alone
-passes the ITL bound, and the streams it harms.
+its gaps than its budget pass the ITL bound (Poisson at the expected count), 1 when its step
+alone passes it, and the streams it harms.
 
-**The rule**: fewest expected misses (within ``TIE`` of each other), then the earliest
-predicted first token, then the whole option (no hand-off to go wrong). A split's TTFT is never
-below the best whole's on idle, equal engines (it adds the hand-off to a prefill of the same
-tokens), so splits are only weighed when the best whole option risks a miss or some prefiller
-could make up the hand-off's cost; a prompt whose prefill is cheap everywhere is therefore
-served whole (``handoff_not_worth``) without looking at pairs. Because a request decoding on
-an engine that prefills often risks its ITL, short requests drift to the engines that prefill
-least, which then harm fewer streams when they prefill: the engines settle into prefill and
-decode roles as the traffic asks, and back again when it changes, without a pod changing.
+**The rule**: fewest expected misses; within ``TIE`` of each other, whole before split (a
+hand-off must earn its risk), then the decoder with the most streams already, then the earliest
+first token. Packing requests onto the engines already busy, as long as it costs no more than
+``TIE`` expected misses, keeps the rest free of streams: a long prompt can then be prefilled
+there without stalling anyone, which is what a fixed prefill pool buys, and an engine with
+nothing to do is left with nothing to do (on GPUs, idle power; on a machine whose engines share
+cores or memory bandwidth, the others' speed). Splits are weighed only when the best whole
+option risks more than ``TIE`` (``handoff_not_worth`` otherwise, decided after weighing each
+engine once). Because a request decoding on an engine whose gaps are often stretched risks its
+ITL, streams drift to the engines that prefill least, and prefills to the engines whose streams
+they harm least: the engines settle into prefill and decode roles as the traffic asks, and back
+again when it changes, without a pod changing.
 
-Reasons (``x-pd-reason``, pd_router.metrics.DECIDED): ``handoff_not_worth`` (whole; no split
-could do better, by the bound above), ``whole_best`` (whole; splits were weighed and lost),
-``split_protects_itl`` (split; a whole option risks more ITL misses, this request's or other
-streams'), ``split_faster`` (split; fewer TTFT misses or an earlier first token). The predicted
+Reasons (``x-pd-reason``, pd_router.metrics.DECIDED): ``handoff_not_worth`` (whole; its risk is
+within ``TIE``, so no split could do better), ``whole_best`` (whole; splits were weighed and
+lost), ``split_protects_itl`` (split; a whole option risks more ITL misses, this request's or
+other streams'), ``split_faster`` (split; a whole option risks more TTFT misses). The predicted
 figures go back in ``x-pd-predicted`` and in the trace, and the router exports observed /
 predicted TTFT (``pd_router_ttft_prediction_ratio``) so that a user sees the model's error.
 
@@ -82,15 +85,19 @@ class Option:
     itl: float  # its typical inter-token gap (the decoding engine's step), seconds
     misses: float  # expected SLO misses: its TTFT, its ITL, and the streams its prefill harms
     itl_misses: float  # of which from ITL (its own and the harmed streams')
+    streams: int = 0  # streams decoding on its decoder now
 
     def better(self, other: Option) -> bool:
-        """The rule (module docstring): fewer expected misses, then an earlier first token,
-        then whole."""
+        """The rule (module docstring): fewer expected misses; then whole; then the decoder
+        with more streams already (the fewest engines busy that meet the SLOs); then the
+        earlier first token."""
         if abs(self.misses - other.misses) > TIE:
             return self.misses < other.misses
-        if self.ttft != other.ttft:
-            return self.ttft < other.ttft
-        return self.prefiller is None and other.prefiller is not None
+        if (self.prefiller is None) != (other.prefiller is None):
+            return self.prefiller is None
+        if self.streams != other.streams:
+            return self.streams > other.streams
+        return self.ttft < other.ttft
 
     def header(self) -> str:
         """``x-pd-predicted``: what the decision expected of the option it took."""
@@ -120,12 +127,12 @@ class Planner:
 
     def _decode(self, c: EngineCosts, out: int, now: float) -> tuple[float, float]:
         """(step, chance of missing the ITL bound) of a stream of ``out`` tokens decoding on
-        ``c`` from now: its step alone past the bound is a miss; else more stretched gaps than
-        its budget, Poisson at the engine's slow-step rate times its decode time."""
+        ``c`` from now: its step alone past the bound is a miss; else more slow gaps than its
+        budget, Poisson at the engine's share of slow gaps times its tokens."""
         step = c.step_seconds(c.decoding + 1)
         if step > self.itl_bound:
             return step, 1.0
-        expected = c.stretch(now) * out * step
+        expected = c.slow_share(now) * out
         return step, poisson_above(expected, int((1 - ITL_QUANTILE) * out))
 
     def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
@@ -133,7 +140,8 @@ class Planner:
         ttft = c.prefill_seconds(tokens)
         step, itl_miss = self._decode(c, out, now)
         itl_misses = itl_miss + c.harm(c.slow_steps(tokens), now)
-        return Option(ep, None, ttft, step, ttft_miss(ttft, bound) + itl_misses, itl_misses)
+        misses = ttft_miss(ttft, bound) + itl_misses
+        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding)
 
     def choose(
         self,
@@ -158,17 +166,10 @@ class Planner:
         assert best is not None
         if not prefillers or (len(decoders) == 1 and all(p is decoders[0] for p in prefillers)):
             return Choice(best, "handoff_not_worth")  # no engine to pair with another
-        # a split's TTFT is a prefill of at least X's queue and uncached tokens, then the
-        # hand-off: when the best whole misses nothing and no prefiller could beat its TTFT
-        # that way, no split can win (fewer misses than none, or an earlier first token)
-        handoff = self.model.handoff.a
+        # a split wins only by more than TIE fewer expected misses: none can when the best
+        # whole option risks no more than that
         if best.misses <= TIE:
-            floor = min(
-                self.model.of(p.base, p.generation).prefill_seconds(max(1, prompt - held(p)))
-                for p in prefillers
-            )
-            if best.ttft <= floor + handoff:
-                return Choice(best, "handoff_not_worth")
+            return Choice(best, "handoff_not_worth")
         split = self._best_split(prompt, held, decoders, prefillers, out, bound, now)
         if split is None or not split.better(best):
             return Choice(best, "whole_best")
@@ -203,17 +204,18 @@ class Planner:
             c = self._costs(y, now)
             pull = max(1, prompt - held(y))
             step, itl_miss = self._decode(c, out, now)
-            wait = self.model.handoff(pull) + c.prefill.b * c.queued + c.prefill.q * c.queued_sq
-            dec.append((itl_miss, wait, step, y))
+            wait = self.model.handoff(pull) + c.queue_seconds()
+            dec.append((itl_miss, wait, step, y, c.decoding))
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None
         for harm, pf, x in pre[:PAIR_CANDIDATES]:
-            for itl_miss, wait, step, y in dec[:PAIR_CANDIDATES]:
+            for itl_miss, wait, step, y, streams in dec[:PAIR_CANDIDATES]:
                 if y is x or y.revision != x.revision:
                     continue
                 ttft = pf + wait
                 itl_misses = harm + itl_miss
-                o = Option(y, x, ttft, step, ttft_miss(ttft, bound) + itl_misses, itl_misses)
+                misses = ttft_miss(ttft, bound) + itl_misses
+                o = Option(y, x, ttft, step, misses, itl_misses, streams)
                 if best is None or o.better(best):
                     best = o
         return best

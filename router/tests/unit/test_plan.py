@@ -46,16 +46,23 @@ def costs(model: CostModel, ep: Endpoint) -> EngineCosts:
 
 
 def decoding(
-    model: CostModel, ep: Endpoint, streams: int, out: int = 100, slow_seen: int = 0
+    model: CostModel,
+    ep: Endpoint,
+    streams: int,
+    out: int = 100,
+    slow_seen: int = 0,
+    fast_seen: int = 0,
 ) -> None:
     """``streams`` streams decoding on ``ep``, each of ``out`` tokens having seen ``slow_seen``
-    gaps past the ITL bound."""
+    gaps past the ITL bound and ``fast_seen`` within it."""
     c = costs(model, ep)
     for _ in range(streams):
         j = c.start("whole", 10, out, True, model.clock())
         j.first(model.clock())
         for _ in range(slow_seen):
-            j.gap(1.0)
+            j.gap(1.0, model.clock())
+        for _ in range(fast_seen):
+            j.gap(0.01, model.clock())
 
 
 def prefilled_often(model: CostModel, ep: Endpoint, slow_steps: int) -> None:
@@ -87,6 +94,34 @@ def test_a_short_prompt_goes_whole_to_the_engine_with_the_shortest_queue() -> No
     assert c2 is not None and c2.option.decoder is a
 
 
+def test_streams_decode_where_gaps_have_been_fast_whatever_made_them_slow() -> None:
+    """What the streams on an engine saw counts, whatever made its gaps slow (a prefill the
+    router did not place, another tenant of the machine): a short request goes where gaps have
+    been within the bound, though its queue is a little longer."""
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    c = costs(model, a)
+    j = c.start("whole", 10, 400, True, clock())
+    j.first(clock())
+    for i in range(200):
+        j.gap(0.2 if i % 3 == 0 else 0.01, clock())  # a third of a's gaps past the 50 ms bound
+    costs(model, b).start("whole", 20, 50, True, clock())  # b: a little queued
+    clock.t += 0.5
+    choice = planner.choose(50, NONE, [a, b], [a, b], 100, clock())
+    assert choice is not None and choice.option.decoder is b
+    # negative control: a's gaps were fast; its shorter queue wins
+    model2, planner2, clock2 = setup()
+    c2 = costs(model2, a)
+    j2 = c2.start("whole", 10, 400, True, clock2())
+    j2.first(clock2())
+    for _ in range(200):
+        j2.gap(0.01, clock2())
+    costs(model2, b).start("whole", 20, 50, True, clock2())
+    clock2.t += 0.5
+    c3 = planner2.choose(50, NONE, [a, b], [a, b], 100, clock2())
+    assert c3 is not None and c3.option.decoder is a
+
+
 def test_without_a_second_engine_nothing_is_split() -> None:
     model, planner, clock = setup()
     (a,) = engines("a")
@@ -102,22 +137,23 @@ def test_without_a_second_engine_nothing_is_split() -> None:
 def test_a_long_prompt_is_prefilled_where_no_stream_decodes_and_decoded_where_none_prefills() -> (
     None
 ):
-    """b prefills often (its streams' gaps stretch), a has streams decoding: whole on a harms
-    a's streams, whole on b puts this request's decode among b's stretched gaps; prefilling on b
-    and decoding on a does neither."""
+    """a has streams decoding (2 slow gaps of budget each, none spent: its gaps are fast), b
+    prefills often (a stream there would see its gaps stretched): whole on a stretches a's
+    streams for the prompt's three chunks, past their budget; whole on b puts this request's
+    decode among b's stretched gaps; prefilling on b and decoding on a does neither."""
     model, planner, clock = setup()
     a, b = engines("a", "b")
-    decoding(model, a, 4, out=40, slow_seen=2)  # budget 2 gaps: one more stretch misses
+    decoding(model, a, 4, out=40, fast_seen=10)
     prefilled_often(model, b, 200)
-    choice = planner.choose(2000, NONE, [a, b], [a, b], 100, clock())
+    choice = planner.choose(6000, NONE, [a, b], [a, b], 100, clock())
     assert choice is not None
     assert (choice.option.prefiller, choice.option.decoder) == (b, a)
     assert choice.reason == "split_protects_itl"
     # negative control: b has not been prefilling (its decodes would not be stretched): whole
     # on b harms nothing and has the earlier first token
     model2, planner2, clock2 = setup()
-    decoding(model2, a, 4, out=40, slow_seen=2)
-    c2 = planner2.choose(2000, NONE, [a, b], [a, b], 100, clock2())
+    decoding(model2, a, 4, out=40, fast_seen=10)
+    c2 = planner2.choose(6000, NONE, [a, b], [a, b], 100, clock2())
     assert c2 is not None and (c2.option.decoder, c2.option.prefiller) == (b, None)
     assert c2.reason in ("whole_best", "handoff_not_worth")
 
@@ -167,7 +203,7 @@ def test_a_split_wins_on_ttft_where_the_decoders_prefill_slowly() -> None:
     slow = costs(model, d)
     for n in (500, 1000, 2000, 3000):
         for _ in range(20):
-            slow.prefill.add(n, n * n, 0.003 * n)
+            slow.prefill.add(n, n * n, slow.steps_of(n), 0.003 * n)
     choice = planner.choose(2000, NONE, [d], [p], 50, clock())
     assert choice is not None and (choice.option.prefiller, choice.option.decoder) == (p, d)
     assert choice.reason == "split_faster"
@@ -203,11 +239,10 @@ def test_pairs_keep_one_revision_and_never_an_engine_with_itself() -> None:
     model, planner, clock = setup()
     a, b = engines("a", "b")
     (c,) = engines("c", revision="r2")
-    decoding(model, a, 4, out=40, slow_seen=2)
+    decoding(model, a, 4, out=40, fast_seen=10)
     prefilled_often(model, b, 200)
-    prefilled_often(model, c, 0)
     # c (another revision) would be the ideal prefiller for a: it holds nothing, harms nothing
-    choice = planner.choose(2000, NONE, [a, b, c], [a, b, c], 100, clock())
+    choice = planner.choose(6000, NONE, [a, b, c], [a, b, c], 100, clock())
     assert choice is not None
     o = choice.option
     assert o.prefiller is None or (
@@ -242,14 +277,20 @@ def test_a_fit_starts_at_its_prior_and_follows_what_it_sees() -> None:
 
 
 def test_the_prefill_fit_learns_what_grows_with_the_square_of_a_prompt() -> None:
-    f = PrefillFit(0.02, 0.001, 4096.0)
-    for i in range(300):
-        n = 100 + (i % 12) * 250
-        f.add(n, n * n, 0.01 + 1e-4 * n + 2e-8 * n * n)
-    assert f(3000, 3000**2) == pytest.approx(0.01 + 0.3 + 0.18, rel=0.05)
-    assert f(200, 200**2) == pytest.approx(0.01 + 0.02 + 0.0008, rel=0.1)
+    """A truth of 10 ms + 0.1 ms a token + 2e-8 s a token squared + 8 ms a step (the engine's
+    decodes batched with each chunk of 2,048): the fit finds each part, so what a chunk adds
+    to a decode step is the prefill's own compute."""
+    f = PrefillFit(0.02, 0.001, 0.02)
+    for i in range(400):
+        ns = [100 + (i % 12) * 250] + ([150 + (i % 5) * 100] * (i % 3))  # queued prompts too
+        x, x2 = sum(ns), sum(n * n for n in ns)
+        steps = sum(-(-n // 2048) for n in ns)
+        f.add(x, x2, steps, 0.01 + 1e-4 * x + 2e-8 * x2 + 0.008 * steps)
+    assert f.b == pytest.approx(1e-4, rel=0.1) and f.q == pytest.approx(2e-8, rel=0.2)
+    assert f.c == pytest.approx(0.008, rel=0.2)
+    assert f(3000, 3000**2, 2) == pytest.approx(0.01 + 0.3 + 0.18 + 0.016, rel=0.05)
     # two prompts queued: the squares of each, not of their sum
-    assert f(4000, 2 * 2000**2) < f(4000, 4000**2)
+    assert f(4000, 2 * 2000**2, 2) < f(4000, 4000**2, 2)
 
 
 def test_a_fit_forgets_old_samples_not_idle_time() -> None:
@@ -276,8 +317,8 @@ def test_a_whole_stream_teaches_the_prefill_fit_and_moves_to_decoding_at_its_fir
     j.first(clock())
     assert (c.queued, c.decoding) == (0, 1)
     assert c.prefill.n == 1
-    j.gap(0.01)
-    j.gap(0.2)  # past the 50 ms bound
+    j.gap(0.01, model.clock())
+    j.gap(0.2, model.clock())  # past the 50 ms bound
     assert (j.gaps, j.slow) == (2, 1)
     j.end()
     assert (c.queued, c.decoding, len(c.jobs)) == (0, 0, 0)
@@ -318,7 +359,7 @@ def test_a_restarted_engine_is_learnt_afresh() -> None:
     model, _, _clock = setup()
     (a,) = engines("a")
     c = costs(model, a)
-    c.prefill.add(1000, 1000 * 1000, 5.0)
+    c.prefill.add(1000, 1000 * 1000, 1, 5.0)
     a.generation += 1
     assert costs(model, a) is not c
     assert costs(model, a).prefill.n == 0
@@ -344,3 +385,37 @@ def test_the_miss_chances() -> None:
     assert poisson_above(0.0, 0) == 0.0
     assert poisson_above(1.0, 0) == pytest.approx(1 - 0.3679, abs=1e-3)
     assert poisson_above(200.0, 150) > 0.99 and poisson_above(100.0, 200) < 0.01
+
+
+def test_the_stall_a_prefill_adds_is_learnt_from_the_gap_that_ended_with_it() -> None:
+    """A stream's gap that ends with the step that produced a prompt's first token is that
+    step: what it took beyond a decode step, per prompt token, is the stall the next prefill
+    of that size is expected to add (not the prefill fit's slope, which queueing inflates)."""
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    stream = c.start("whole", 10, 1000, True, clock())
+    stream.first(clock())
+    for _ in range(40):
+        clock.t += 1.0
+        p = c.start("whole", 200, 10, True, clock())
+        clock.t += 0.06
+        p.first(clock())  # its first token...
+        stream.gap(0.06, clock())  # ...and the stream's gap that ended with the same step
+        p.end()
+    # 60 ms step, 10 ms of it decoding: 50 ms / 200 tokens
+    assert c.stall_per_token() == pytest.approx(0.05 / 200, rel=0.2)
+    # negative control: gaps that end far from any first token teach nothing
+    model2, _, clock2 = setup()
+    c2 = costs(model2, a)
+    s2 = c2.start("whole", 10, 1000, True, clock2())
+    s2.first(clock2())
+    for _ in range(40):
+        clock2.t += 1.0
+        p2 = c2.start("whole", 200, 10, True, clock2())
+        clock2.t += 0.06
+        p2.first(clock2())
+        clock2.t += 0.3
+        s2.gap(0.06, clock2())
+        p2.end()
+    assert c2.stall_xx == 0  # no sample: the prefill fit's slope stands in

@@ -40,6 +40,13 @@ def table(result: dict[str, Any]) -> str:
         "measured at the start of the run: pd_router_dev/goodput/slo.py): "
         f"{result['slo_text']}. Colocated capacity (closed loop): "
         + ", ".join(f"{k} {v:.2f} req/s" for k, v in result["capacity"].items())
+        + (
+            f". An engine decoded {result['interference']:.2f} x slower while the others were "
+            "busy too (the median gap of 8 streams on it alone, then with 8 streams on every "
+            "engine)"
+            if result.get("interference")
+            else ""
+        )
         + f". {result['options']['duration']:g} s of counted arrivals per cell "
         f"(+{result['options']['warmup']:g} s not counted); the whole run took "
         f"{result['seconds'] / 60:.0f} min.",
@@ -92,6 +99,14 @@ def table(result: dict[str, Any]) -> str:
                 + " | ".join(f"{gp.get(s, 0.0):.2f}" for s in SETUPS)
                 + f" | **{_ratio(gp):.2f}** |"
             )
+        st = c["stats"].get("goodput", {})
+        lines += [
+            "",
+            f"Goodput decision over the phases after the first: {st.get('failed', 0)} requests "
+            f"failed, {st.get('fallbacks', 0)} prefilled twice (a hand-off abandoned and the "
+            "prompt served again), of "
+            f"{st.get('requests', 0)}.",
+        ]
         if c["timeline"]:
             lines += [
                 "",
@@ -195,3 +210,24 @@ def _annotate(ax: Any, m: Any, fmt: str) -> None:
 def _axes(ax: Any, labels: list[str], fracs: list[str]) -> None:
     ax.set_yticks(range(len(labels)), labels)
     ax.set_xticks(range(len(fracs)), [f"{f} x capacity" for f in fracs])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pd_router_dev.goodput.report RESULT.json... [--picture PNG]``: the table
+    (and the heatmap) of sweeps already run."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m pd_router_dev.goodput.report")
+    p.add_argument("results", nargs="+", help="goodput-*.json written by a sweep")
+    p.add_argument("--picture", default="", help="write the heatmap here (PNG)")
+    a = p.parse_args(argv)
+    results = [json.loads(Path(f).read_text()) for f in a.results]
+    print("\n".join(table(r) for r in results))
+    if a.picture:
+        heatmap(results, Path(a.picture))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

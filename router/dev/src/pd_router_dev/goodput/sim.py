@@ -17,7 +17,7 @@ Llama-3.1-8B in BF16 on one H100, from public figures:
   transfer llm-d measured for Llama-3.1-8B over 200 Gb/s: 4 GB in about 360 ms, llm-d v0.5
   blog; 128 KiB of KV per token).
 
-**Time runs ``--slow-down`` times slower** (default 40) than on the GPUs, and the arrival
+**Time runs ``--slow-down`` times slower** (default 20) than on the GPUs, and the arrival
 rates are that many times lower: every engine time above is multiplied by it, so that the
 router, the eight simulated engines and the load generator keep up on two cores (their own
 costs, a millisecond or less per request, stay small against the stretched engine times). The
@@ -53,6 +53,7 @@ class SimBackend:
         self.scale = slow_down
         self.name = f"simulated, {engines} engines"
         self.model = MODEL
+        self.chunk_tokens = BUDGET
         f = slow_down
         args = [
             "--model", MODEL,
@@ -120,12 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m pd_router_dev.goodput.sim", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--engines", type=int, default=8)
-    p.add_argument("--slow-down", type=float, default=40.0)
+    p.add_argument("--slow-down", type=float, default=20.0)
     p.add_argument(
         "--duration",
         type=float,
         default=None,
-        help="counted seconds per cell, in slowed time (default: 3 x the slow-down)",
+        help="counted seconds per cell, in slowed time (default: 2 x the slow-down: 2 GPU-seconds)",
     )
     p.add_argument("--warmup", type=float, default=None)
     p.add_argument("--mixes", default=",".join(m.name for m in workload.MIXES))
@@ -139,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--engines: at least 2 (a split needs a prefiller and a decoder)")
     f = a.slow_down
     opts = sweep.Options(
-        duration=a.duration if a.duration is not None else 3.0 * f,
-        warmup=a.warmup if a.warmup is not None else 0.5 * f,
+        duration=a.duration if a.duration is not None else 2.0 * f,
+        warmup=a.warmup if a.warmup is not None else 0.4 * f,
         capacity_seconds=2.0 * f,
         # an H100 batches hundreds of streams: fewer clients would measure the clients
         clients_per_engine=32,

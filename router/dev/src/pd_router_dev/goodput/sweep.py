@@ -104,7 +104,8 @@ def router_configs(backend: Backend, s: Slo) -> dict[str, dict[str, Any]]:
     out["split"] = c
     c = copy.deepcopy(base)
     c["pools"] = {"layout": "flexible", "decode": {"discovery": "static", "static": engines}}
-    c["routing"].update(decision="goodput", goodput=s.router())
+    seed = {"chunkTokens": getattr(backend, "chunk_tokens", 0)}  # the engines' budget a step
+    c["routing"].update(decision="goodput", goodput={**s.router(), "seed": seed})
     out["goodput"] = c
     return out
 
@@ -122,6 +123,22 @@ def access_lines(router: Proc) -> dict[str, dict[str, Any]]:
     return out
 
 
+def model_beliefs(url: str) -> dict[str, float]:
+    """``pd_router_engine_cost`` of a router: what its cost model believes, by engine and
+    quantity."""
+    out = {}
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("pd_router_engine_cost{"):
+            labels, _, value = line.rpartition(" ")
+            out[labels[len("pd_router_engine_cost") :]] = float(value)
+    return out
+
+
 def words_per_token(backend: Backend) -> float:
     """Words of the workload's vocabulary per token, from an engine's own /tokenize."""
     import random
@@ -135,6 +152,40 @@ def words_per_token(backend: Backend) -> float:
     with urllib.request.urlopen(req, timeout=30) as r:
         count = json.loads(r.read())["count"]
     return 1000 / count
+
+
+def interference(backend: Backend, wpt: float) -> float:
+    """How much slower the first engine decodes while the others are busy too: the median gap
+    of 8 streams on it alone, then with 8 streams on every engine at once (1: engines that do
+    not share anything; the real tier's two share a 2-vCPU machine)."""
+    import random
+
+    rng = random.Random(7)
+
+    def streams(url: str) -> list[workload.Request]:
+        out = []
+        for _ in range(8):
+            body = {
+                "model": backend.model,
+                "prompt": workload.text(rng, 60, wpt),
+                "max_tokens": 96,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "cache_salt": f"interference-{rng.random()}",
+            }
+            out.append(workload.Request(0.0, "/v1/completions", body, False))
+        return out
+
+    async def gaps(per_engine: dict[str, list[workload.Request]]) -> list[float]:
+        runs = await asyncio.gather(*(client.drive(u, rs) for u, rs in per_engine.items()))
+        first = runs[0]
+        return [g for r in first for g in r.gaps[4:]]
+
+    first = backend.engines[0]
+    alone = statistics.median(asyncio.run(gaps({first: streams(first)})))
+    together = statistics.median(asyncio.run(gaps({u: streams(u) for u in backend.engines})))
+    return together / alone
 
 
 def calibrate(url: str, model: str, wpt: float, seed: int) -> Unloaded:
@@ -194,6 +245,8 @@ def _summary(s: Slo, recs: list[Record], start: float, end: float) -> dict[str, 
         "requests": len(counted),
         "good": len(good),
         "failed": len(counted) - len(ok),
+        # served by one engine after a hand-off was started: prefilled twice
+        "fallbacks": sum(1 for r in counted if r.route == "fallback"),
         "ttft_miss": sum(1 for r in ok if (r.ttft or 0) > s.ttft_bound(r.prompt_tokens)),
         "itl_miss": sum(1 for r in ok if r.itl_p95() > s.itl),
         "reasons": reasons,
@@ -213,11 +266,17 @@ class Sweep:
         self.routers: dict[str, Proc] = {}
         self.cells: list[Cell] = []
         self.records: dict[str, list[dict[str, Any]]] = {}
+        # what the goodput decision's cost model believed of each engine after each cell
+        self.beliefs: dict[str, dict[str, float]] = {}
 
     def run(self) -> dict[str, Any]:
         b, o = self.b, self.o
         t_start = time.time()
         self.wpt = words_per_token(b)
+        self.interference = interference(b, self.wpt)
+        self.log(
+            f"{b.name}: an engine decodes {self.interference:.2f} x slower while the others are busy"
+        )
         cal = b.start_router("calibrate", router_configs(b, Slo(1, 0, 1))["colocated"])
         try:
             self.unloaded = calibrate(cal.url(), b.model, self.wpt, o.seed)
@@ -285,6 +344,8 @@ class Sweep:
                 router.url(), copy.deepcopy(reqs), copy.deepcopy(chats or []), self.b.model, tag
             )
         )
+        if setup == "goodput":
+            self.beliefs[f"{len(self.cells)}"] = model_beliefs(router.url())
         lines = access_lines(router)
         for r in recs:
             line = lines.get(r.rid)
@@ -408,6 +469,7 @@ class Sweep:
             "seconds": round(seconds),
             "options": self.o.__dict__ | {"mixes": list(self.o.mixes)},
             "words_per_token": self.wpt,
+            "interference": self.interference,
             "unloaded": self.unloaded.__dict__,
             "slo": self.slo.asdict(),
             "slo_text": self.slo.describe(),
@@ -416,6 +478,7 @@ class Sweep:
             "prediction_error_p50": statistics.median(errs) if errs else None,
             "predictions": len(errs),
             "records": self.records,
+            "beliefs": self.beliefs,
         }
 
 
