@@ -275,7 +275,8 @@ class Sweep:
         self.wpt = words_per_token(b)
         self.interference = interference(b, self.wpt)
         self.log(
-            f"{b.name}: an engine decodes {self.interference:.2f} x slower while the others are busy"
+            f"{b.name}: an engine decodes {self.interference:.2f} x slower while the others "
+            "are busy"
         )
         cal = b.start_router("calibrate", router_configs(b, Slo(1, 0, 1))["colocated"])
         try:
