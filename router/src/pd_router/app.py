@@ -30,7 +30,7 @@ from pd_router import balancing, hub_tokenizer, revision, tracing
 from pd_router.admission import Admission, Reject
 from pd_router.auth import ApiKeys
 from pd_router.config import ConfigError, RouterConfig
-from pd_router.costs import DEFAULT_OUTPUT_TOKENS, CostModel, Meter
+from pd_router.costs import CostModel
 from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
@@ -38,7 +38,6 @@ from pd_router.handoff import DirectRoute, Route, build_route, run
 from pd_router.http1 import Answer, BodyError, HttpServer, Request, Response, Routes
 from pd_router.kv_events import KvEventIndex
 from pd_router.legs import Downstream, Legs
-from pd_router.lengths import requested_max_tokens
 from pd_router.logs import AccessLog
 from pd_router.metrics import MULTIPROC_ENV, Metrics
 from pd_router.openai_wire import (
@@ -623,19 +622,8 @@ class Router:
             decider.remember(d.decoder, d.blocks, self.decode.endpoints.values())
             if d.prefiller is not None and self.prefill is self.decode:
                 decider.remember(d.prefiller, d.blocks, self.decode.endpoints.values())
-        o = d.option
-        if o is not None and self.costs is not None:
-            ctx.predicted = o
-            ctx.prefiller = o.prefiller
-            out_tokens = requested_max_tokens(ctx.body, ctx.chat)
-            ctx.meter = Meter(
-                self.costs,
-                d.tokens or 1,
-                d.held or {},
-                out_tokens if type(out_tokens) is int and out_tokens > 0 else DEFAULT_OUTPUT_TOKENS,
-                ctx.stream,
-                o.ttft,
-            )
+        if d.option is not None:  # the goodput decision: its prediction and cost meter
+            ctx.predicted, ctx.meter, ctx.prefiller = d.option, d.meter, d.option.prefiller
         route = self.disaggregated if d.disaggregate else self.direct
         if tr is not None:
             self._trace_decision(ctx, d)

@@ -37,7 +37,7 @@ from typing import Any
 
 from pd_router import balancing
 from pd_router.config import Routing
-from pd_router.costs import CostModel
+from pd_router.costs import DEFAULT_OUTPUT_TOKENS, CostModel, Meter
 from pd_router.discovery import Endpoint
 from pd_router.failures import TokenizeError
 from pd_router.kv_events import Identity, KvEventIndex, identity_of
@@ -90,6 +90,7 @@ class Decision:
     # engine weighed was taken to hold (pd_router.plan)
     option: Option | None = None
     held: dict[str, int] | None = None
+    meter: Meter | None = None  # ties the request's engine calls to the cost model
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +209,10 @@ class Decider:
                 opt = planner.whole(
                     dec, max(1, est - matched), out or 0, costs.ttft_bound(est), now
                 )
+                held = {dec.base: matched}
                 return Decision(
                     False, "bound", "handoff_not_worth", est, False, None, dec, matched, blocks,
-                    src, None, opt, {dec.base: matched},
+                    src, None, opt, held, self._meter(est, held, out, body, opt),
                 )  # fmt: skip
             c = await self._count_exactly(body, chat, text, raw, allowance, tokenize)
             if c.exact:
@@ -239,7 +241,15 @@ class Decider:
         return Decision(
             o.prefiller is not None, c.source, choice.reason, c.tokens, c.exact, c.ids, dec,
             held[dec.base], blocks, sources[dec.base], o.prefiller, o, held,
+            self._meter(c.tokens, held, out, body, o),
         )  # fmt: skip
+
+    def _meter(
+        self, tokens: int, held: dict[str, int], out: int | None, body: dict[str, Any], o: Option
+    ) -> Meter:
+        assert self.costs is not None
+        budget = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
+        return Meter(self.costs, tokens, held, budget, body.get("stream") is True, o.ttft)
 
     async def _count_exactly(
         self,

@@ -21,10 +21,11 @@ bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance
 its gaps than its budget pass the ITL bound (Poisson at the expected count), 1 when its step
 alone passes it, and the streams it harms.
 
-**The rule**: fewest expected misses; within ``TIE`` of each other, whole before split (a
-hand-off must earn its risk), then the decoder with the most streams already, then the earliest
-first token. Packing requests onto the engines already busy, as long as it costs no more than
-``TIE`` expected misses, keeps the rest free of streams: a long prompt can then be prefilled
+**The rule**: a split must risk ``TIE`` fewer expected misses than the best whole option (a
+hand-off must earn its risk); among the rest, the fewest expected misses, then the earliest first
+token, except that options risking almost nothing (``PACK``) go to the decoder with the most
+streams already. Packing requests onto the engines already busy while that costs nothing
+keeps the rest free of streams: a long prompt can then be prefilled
 there without stalling anyone, which is what a fixed prefill pool buys, and an engine with
 nothing to do is left with nothing to do (on GPUs, idle power; on a machine whose engines share
 cores or memory bandwidth, the others' speed). Splits are weighed only when the best whole
@@ -64,8 +65,10 @@ from pd_router.discovery import Endpoint
 # Spread of a TTFT prediction (the standard deviation of log(observed / predicted)) used to
 # turn it into the chance of missing the bound: the cost model aims at 25 % p50 error.
 TTFT_SPREAD = 0.3
-# Expected misses closer than this are a tie (then the earlier first token wins).
+# A split must risk this many fewer expected misses than serving whole to be taken.
 TIE = 0.05
+# Options that risk at most this many expected misses are packed onto the busier decoder.
+PACK = 0.01
 
 # How many prefillers and decoders (best first by their own side's score) are paired up: the
 # pairs beyond them cannot win on a pool of alike engines, and 4 x 4 keeps the decision cheap
@@ -88,15 +91,17 @@ class Option:
     streams: int = 0  # streams decoding on its decoder now
 
     def better(self, other: Option) -> bool:
-        """The rule (module docstring): fewer expected misses; then whole; then the decoder
-        with more streams already (the fewest engines busy that meet the SLOs); then the
-        earlier first token."""
+        """The rule (module docstring): fewer expected misses (by more than ``TIE``); then
+        whole; then, when both risk almost nothing (``PACK``), the decoder with more streams
+        already; then fewer expected misses; then the earlier first token."""
         if abs(self.misses - other.misses) > TIE:
             return self.misses < other.misses
         if (self.prefiller is None) != (other.prefiller is None):
             return self.prefiller is None
-        if self.streams != other.streams:
+        if self.misses <= PACK and other.misses <= PACK and self.streams != other.streams:
             return self.streams > other.streams
+        if self.misses != other.misses:
+            return self.misses < other.misses
         return self.ttft < other.ttft
 
     def header(self) -> str:
