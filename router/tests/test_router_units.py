@@ -132,6 +132,7 @@ def test_preset_label_values_are_the_ones_the_router_records() -> None:
     decided |= set(re.findall(r'Decision\((?:True|False), "skipped", "(\w+)"\)', decide_src))
     decided |= set(re.findall(r'"(\w+_threshold)" if long', decide_src))
     decided |= {"above_threshold", "below_threshold"}
+    decided |= set(re.findall(r'Choice\(\w+, "(\w+)"\)', (pkg / "plan.py").read_text()))
     assert decided == {reason for _, reason in metrics.DECIDED}, decided
     text = metrics.Metrics().render().decode()
     assert 'pd_router_decisions_total{reason="prefix_cached",route="direct"} 0.0' in text
