@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from pd_router_dev.devstack import Proc, Stack
 
 from tests.real_engine import engines
 from tests.real_engine.conftest import FLEX, Pairs, Routers
+from tests.real_engine.events import until
 from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, Answer, ask, colocated, text
 
 SOURCES = "vllm:prompt_tokens_by_source_total"
@@ -34,13 +35,20 @@ def flex(pairs: Pairs) -> list[engines.Engine]:
     return pairs.flexible("dense")
 
 
-def access_lines(router: Proc) -> dict[str, dict]:
-    """The router's access lines by request id (pd_router.logs.AccessLog)."""
-    out = {}
-    for line in router.log.read_text(errors="replace").splitlines():
-        if '"msg":"request"' in line:
-            rec = json.loads(line)
-            out[rec["request_id"]] = rec
+def access_lines(router: Proc, rids: Iterable[str]) -> dict[str, dict]:
+    """The router's access lines by request id (pd_router.logs.AccessLog), once those of
+    ``rids`` are written: the router logs a request after its answer went out."""
+    out: dict[str, dict] = {}
+    want = set(rids)
+
+    def read() -> bool:
+        for line in router.log.read_text(errors="replace").splitlines():
+            if '"msg":"request"' in line:
+                rec = json.loads(line)
+                out[rec["request_id"]] = rec
+        return want <= out.keys()
+
+    until(f"access lines of {sorted(want - out.keys())[:3]}", read)
     return out
 
 
@@ -64,7 +72,7 @@ def test_flex_engine_prefills_for_the_other_and_the_answer_equals_colocated(
     got = ask(always.url(), model_name, chat, prompt, stream, extra_headers={"X-Request-Id": rid})
     assert (got.route, got.reason) == ("disaggregated", "always")
     assert got.text == base.text and got.finish == base.finish == "length"
-    line = access_lines(always)[rid]
+    line = access_lines(always, [rid])[rid]
     assert line["engine"] != line["prefiller"] and {line["engine"], line["prefiller"]} == {e.url for e in flex}
     # the decoder computed nothing of the prompt: it came over NIXL from the other engine
     dec = next(i for i, e in enumerate(flex) if e.url == line["engine"])
@@ -82,7 +90,7 @@ def test_flex_engines_take_both_parts(always: Proc, flex: list[engines.Engine], 
         base = colocated(flex[1].url, model_name, False, prompt)
         got = ask(always.url(), model_name, False, prompt, False, extra_headers={"X-Request-Id": rid})
         assert got.route == "disaggregated" and got.text == base.text
-        line = access_lines(always)[rid]
+        line = access_lines(always, [rid])[rid]
         seen.add((line["prefiller"], line["engine"]))
         if len(seen) == 2:
             break
@@ -93,7 +101,7 @@ def test_flex_mixed_run_takes_whole_and_split_and_every_answer_equals_colocated(
     flex: list[engines.Engine], routers: Routers, model_name: str
 ) -> None:
     """The chart's goodput decision on the flexible pair under a mixed load: waves of short
-    streams with a long prompt behind them, until it has both served requests whole and split
+    streams with two long prompts behind them, until it has both served requests whole and split
     them (its ITL bound, 100 ms, is passed by every step that carries a 2,048-token chunk of a
     long prompt here, about 250 ms). Then every answer is checked against the engine alone."""
     router = routers.start([], [e.url for e in flex], render=FLEX)
@@ -120,15 +128,19 @@ def test_flex_mixed_run_takes_whole_and_split_and_every_answer_equals_colocated(
                         True,
                     )
                 )
-            batch.append((f"mix-{wave}-l", wave % 2 == 0, text(f"mix-{wave}-l", LONGER_WORDS), 24, bool(wave % 3)))
+            # two long prompts at once: the one decoding where the other prefills sees its gaps
+            # stretched, so that engine's streams learn to decode elsewhere (split_protects_itl)
+            for j in range(2):
+                rid = f"mix-{wave}-l{j}"
+                batch.append((rid, (wave + j) % 2 == 0, text(rid, LONGER_WORDS), 40, j == 0 or bool(wave % 3)))
             sent += batch
             for rid, a in pool.map(lambda b: one(*b), batch):
                 answers[rid] = a
-            lines = access_lines(router)
+            lines = access_lines(router, (b[0] for b in batch))
             kinds |= {"split" if lines[b[0]]["prefiller"] else "whole" for b in batch}
             if wave >= 5 and kinds == {"split", "whole"}:
                 break
-    lines = access_lines(router)
+    lines = access_lines(router, (rid for rid, *_ in sent))
     options = {(lines[rid]["prefiller"], lines[rid]["engine"]) for rid, *_ in sent}
     reasons = {answers[rid].reason for rid, *_ in sent}
     assert kinds == {"split", "whole"}, (options, reasons)

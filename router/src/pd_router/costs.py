@@ -157,18 +157,29 @@ class PrefillFit:
         for i in range(4):
             mm[i][i] += pw * scale[i]
             vv[i] += pw * scale[i] * self.beta0[i]
-        sol = _solve(mm, vv)
-        if sol is None:
-            return
-        a, b, q, c = sol
-        # a cost falling with its load is noise: such a coefficient is held at its prior
-        if b < 0:
-            b = self.beta0[1]
-        if q < 0:
-            q = 0.0
-        if c < 0:
-            c = 0.0
-        self.a, self.b, self.q, self.c = max(0.0, a), b / _K, q / _K2, c
+        # a cost falling with its load is noise: a coefficient the solution takes below zero is
+        # held (the per-token cost at its prior, the others at 0) and the rest solved again
+        # without it; clamping it after the solve would leave the others fitted to a value it
+        # no longer has (a negative intercept absorbed by the per-step cost: every short
+        # prompt predicted slower by that much)
+        held: dict[int, float] = {}
+        while True:
+            free = [i for i in range(4) if i not in held]
+            sol = _solve(
+                [[mm[i][j] for j in free] for i in free],
+                [vv[i] - sum(mm[i][j] * h for j, h in held.items()) for i in free],
+            )
+            if sol is None:
+                return
+            beta = dict(held)
+            beta.update(zip(free, sol, strict=True))
+            low = [i for i in free if beta[i] < 0]
+            if not low:
+                break
+            for i in low:
+                held[i] = self.beta0[1] if i == 1 else 0.0
+        a, b, q, c = (beta[i] for i in range(4))
+        self.a, self.b, self.q, self.c = a, b / _K, q / _K2, c
 
     def __call__(self, x: float, x2: float, steps: float) -> float:
         return self.a + self.b * x + self.q * x2 + self.c * steps
