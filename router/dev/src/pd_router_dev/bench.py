@@ -204,8 +204,8 @@ def _router_config(
     workdir: Path, name: str, over: dict[str, Any], workers: int | None, level: str
 ) -> Path:
     cfg = yaml.safe_load(DEMO_CONFIG.read_text())
-    for k, v in over.items():
-        cfg[k] = {**cfg.get(k, {}), **v}
+    for k, v in over.items():  # a key set to None in ``over`` is removed
+        cfg[k] = {kk: vv for kk, vv in {**cfg.get(k, {}), **v}.items() if vv is not None}
     if workers is not None:
         cfg["listen"] = {**cfg["listen"], "workers": workers}
     cfg["logging"] = {"level": level, "logPrompts": False}
@@ -373,7 +373,11 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
             (
                 "ours-flex-goodput",
                 "ours: flexible pool, goodput decision",
-                {"layout": "flexible", "decode": {"discovery": "static", "static": [pre, dec]}},
+                {
+                    "layout": "flexible",
+                    "prefill": None,  # the flexible layout's one pool is pools.decode
+                    "decode": {"discovery": "static", "static": [pre, dec]},
+                },
             ),
         ):
             over = {"routing": {"connector": "nixl", "decision": "goodput"}, "pools": pools}

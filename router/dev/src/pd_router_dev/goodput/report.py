@@ -180,7 +180,7 @@ def heatmap(results: list[dict[str, Any]], path: Path) -> None:
         m = matrix(lambda c: _ratio(c["goodput"]) or 0.0)
         im = row[3].imshow(m, cmap="RdYlGn", vmin=0.5, vmax=1.5)
         _annotate(row[3], m, "{:.2f}")
-        row[3].set_title(f"{res['backend']}: goodput decision / best of the other two")
+        row[3].set_title(f"{res['backend']}:\ngoodput decision / best of the other two")
         _axes(row[3], labels, fracs)
         fig.colorbar(im, ax=row[3], fraction=0.046)
     fig.tight_layout()
@@ -209,7 +209,8 @@ def _annotate(ax: Any, m: Any, fmt: str) -> None:
 
 def _axes(ax: Any, labels: list[str], fracs: list[str]) -> None:
     ax.set_yticks(range(len(labels)), labels)
-    ax.set_xticks(range(len(fracs)), [f"{f} x capacity" for f in fracs])
+    ax.set_xticks(range(len(fracs)), fracs)
+    ax.set_xlabel("arrival rate / colocated capacity (extras: their own rate)")
 
 
 def main(argv: list[str] | None = None) -> int:
