@@ -84,7 +84,7 @@ demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopb
 bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic, multi-turn chat, the decision's cost and a py-spy profile; ARGS=--help (~7 min)
 	$(PY) -m pd_router_dev.bench $(ARGS)
 
-goodput: $(VENV)/.installed ## The goodput sweep: colocated vs fixed split vs the goodput decision on two real vLLM engines, then on 8 simulated GPU-timed ones; prints the table, writes docs/goodput.png (ARGS=--help; ~50 min)
+goodput: $(VENV)/.installed helm ## The goodput sweep: colocated vs fixed split vs the goodput decision on two real vLLM engines, then on 8 simulated GPU-timed ones; prints the table, writes docs/goodput.png (installs Helm and the engine stack first; ARGS=--help; ~65 min: the real engines ~25 at the default --duration 30, the simulated ones ~40)
 	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh
 	$(PY) -m tests.real_engine.goodput $(ARGS)
 
