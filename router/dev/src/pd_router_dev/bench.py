@@ -200,6 +200,24 @@ def _cpus(cs: list[int]) -> str:
     return ",".join(map(str, cs))
 
 
+def goodput_overrides(pre: str, dec: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """The goodput decision's rows: (key, label, the router config's overrides) on the fixed
+    pools (one prefiller, one decoder) and on the flexible pool of the same two engines."""
+    fixed = static_pools([pre], [dec])
+    flexible = {
+        "layout": "flexible",
+        "prefill": None,  # the flexible layout's one pool is pools.decode
+        "decode": {"discovery": "static", "static": [pre, dec]},
+    }
+    return [
+        (key, label, {"routing": {"connector": "nixl", "decision": "goodput"}, "pools": pools})
+        for key, label, pools in (
+            ("ours-direct-goodput", "ours: direct route, goodput decision", fixed),
+            ("ours-flex-goodput", "ours: flexible pool, goodput decision", flexible),
+        )
+    ]
+
+
 def _router_config(
     workdir: Path, name: str, over: dict[str, Any], workers: int | None, level: str
 ) -> Path:
@@ -368,19 +386,7 @@ def _targets(b: Bench, st: Stack) -> list[Target]:
         )
     )
     if not b.args.no_goodput:
-        for key, label, pools in (
-            ("ours-direct-goodput", "ours: direct route, goodput decision", nx_pools),
-            (
-                "ours-flex-goodput",
-                "ours: flexible pool, goodput decision",
-                {
-                    "layout": "flexible",
-                    "prefill": None,  # the flexible layout's one pool is pools.decode
-                    "decode": {"discovery": "static", "static": [pre, dec]},
-                },
-            ),
-        ):
-            over = {"routing": {"connector": "nixl", "decision": "goodput"}, "pools": pools}
+        for key, label, over in goodput_overrides(pre, dec):
             r, w = _start_ours(b, st, key, over, "warning")
             out.append(Target(key, label, "ours", "direct", r.url(), r.pid, w, "warning"))
     if not b.args.no_tracing:
