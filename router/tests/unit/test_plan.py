@@ -411,10 +411,9 @@ def test_the_miss_chances() -> None:
     assert poisson_above(200.0, 150) > 0.99 and poisson_above(100.0, 200) < 0.01
 
 
-def test_the_stall_a_prefill_adds_is_learnt_from_the_gap_that_ended_with_it() -> None:
-    """A stream's gap that ends with the step that produced a prompt's first token is that
-    step: what it took beyond a decode step, per prompt token, is the stall the next prefill
-    of that size is expected to add (not the prefill fit's slope, which queueing inflates)."""
+def _stall_run(gap_after_first: float) -> EngineCosts:
+    """A stream decoding while 40 prompts of 200 tokens each get their first token after a
+    60 ms step; the stream's 60 ms gap is seen ``gap_after_first`` seconds after that token."""
     model, _, clock = setup()
     (a,) = engines("a")
     c = costs(model, a)
@@ -424,22 +423,18 @@ def test_the_stall_a_prefill_adds_is_learnt_from_the_gap_that_ended_with_it() ->
         clock.t += 1.0
         p = c.start("whole", 200, 10, True, clock())
         clock.t += 0.06
-        p.first(clock())  # its first token...
-        stream.gap(0.06, clock())  # ...and the stream's gap that ended with the same step
+        p.first(clock())
+        clock.t += gap_after_first
+        stream.gap(0.06, clock())
         p.end()
-    # 60 ms step, 10 ms of it decoding: 50 ms / 200 tokens
-    assert c.stall_per_token() == pytest.approx(0.05 / 200, rel=0.2)
+    return c
+
+
+def test_the_stall_a_prefill_adds_is_learnt_from_the_gap_that_ended_with_it() -> None:
+    """A stream's gap that ends with the step that produced a prompt's first token is that
+    step: what it took beyond a decode step, per prompt token, is the stall the next prefill
+    of that size is expected to add (not the prefill fit's slope, which queueing inflates)."""
+    # the gap ends with the same step: 60 ms step, 10 ms of it decoding: 50 ms / 200 tokens
+    assert _stall_run(0.0).stall_per_token() == pytest.approx(0.05 / 200, rel=0.2)
     # negative control: gaps that end far from any first token teach nothing
-    model2, _, clock2 = setup()
-    c2 = costs(model2, a)
-    s2 = c2.start("whole", 10, 1000, True, clock2())
-    s2.first(clock2())
-    for _ in range(40):
-        clock2.t += 1.0
-        p2 = c2.start("whole", 200, 10, True, clock2())
-        clock2.t += 0.06
-        p2.first(clock2())
-        clock2.t += 0.3
-        s2.gap(0.06, clock2())
-        p2.end()
-    assert c2.stall_xx == 0  # no sample: the prefill fit's slope stands in
+    assert _stall_run(0.3).stall_xx == 0  # no sample: the prefill fit's slope stands in
