@@ -553,7 +553,6 @@ class Legs:
                         if tick >= move_at:
                             guard.reschedule(tick + stall + slack)
                             move_at = tick + slack
-                await down.end()
             except ClientGone:
                 out.disconnect(ctx)
                 return down.response
@@ -567,6 +566,10 @@ class Legs:
                 out.failed(ctx)
                 ok = True
                 return down.response
+            # Every byte of the answer is written. A client gone before the stream's end
+            # marker is not a disconnect: the openai client closes on `data: [DONE]`.
+            with contextlib.suppress(ClientGone):
+                await down.end()
             out.finished(ctx)
             ok = True
             return down.response

@@ -112,13 +112,14 @@ class FakeUpstream:
 class FakeDownstream:
     """Records what the client would have received."""
 
-    def __init__(self, gone_after: int | None = None) -> None:
+    def __init__(self, gone_after: int | None = None, gone_at_end: bool = False) -> None:
         self.status: int | None = None
         self.body = b""
         self.headers: dict[str, str] = {}
         self.events: list[bytes] = []
         self.ended = False
         self.gone_after = gone_after  # writes accepted before the client leaves
+        self.gone_at_end = gone_at_end  # the client leaves after the last byte, before the end
         self.response: Any = None
         self._streaming = False
 
@@ -144,6 +145,8 @@ class FakeDownstream:
         self.events.append(data)
 
     async def end(self) -> None:
+        if self.gone_at_end:
+            raise ClientGone
         self.ended = True
 
     async def stream_error(self, message: str, etype: str = "upstream_error", code: int = 502):

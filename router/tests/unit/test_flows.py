@@ -101,6 +101,25 @@ def test_a_stream_that_never_sends_its_first_chunk_is_retried_elsewhere() -> Non
     assert w.load() == [(0, 0)] * 3
 
 
+@pytest.mark.parametrize(
+    ("down", "outcome"),
+    [
+        (FakeDownstream(gone_at_end=True), "ok"),  # gone after [DONE]: the answer was whole
+        (FakeDownstream(gone_after=1), "client_disconnect"),  # gone mid-answer
+    ],
+)
+def test_a_client_gone_only_after_the_last_byte_was_served(
+    down: FakeDownstream, outcome: str
+) -> None:
+    w = World()
+    chunks = [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    w.up.on(D1, "/v1/completions", FakeResponse(200, chunks=chunks, ctype="text/event-stream"))
+    c = ctx({"prompt": "hi", "stream": True})
+    run(w.direct().serve(c, down))
+    assert c.outcome == outcome
+    assert w.load() == [(0, 0)] * 2
+
+
 def test_no_healthy_decoder_is_a_503_with_retry_after() -> None:
     w = World(decode=(D1,))
     w.decode.healthy = []
