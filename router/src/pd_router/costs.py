@@ -66,6 +66,9 @@ SEEN_PRIOR = 20.0
 # A stall sample needs a stream's gap to end within this many decode steps of a first token.
 STEP_MATCH = 0.5
 STALL_PRIOR = 1.0  # stall samples the prefill fit's k counts as (see EngineCosts.stall_per_token)
+# A prefill fit is solved (a 4 x 4 system, ~30 us in Python) at most this often per engine:
+# samples that come faster are summed at once and reflected by the next decision after it.
+SOLVE_SECONDS = 0.05
 PRIOR_FADE = 0.9  # a prefill fit's prior weighs a tenth of a sample after about 30 samples
 ITL_QUANTILE = 0.95  # the SLO is on each request's ITL p95 (DistServe's TPOT/ITL SLO)
 # A request whose output budget is unknown (no max_tokens) is taken to decode this many tokens.
@@ -125,7 +128,7 @@ class PrefillFit:
     that a prior far from the engine's truth cannot bend the fit at lengths no sample has
     reached yet for long."""
 
-    __slots__ = ("a", "b", "beta0", "c", "m", "n", "pw", "q", "v")
+    __slots__ = ("a", "b", "beta0", "c", "m", "n", "pending", "pw", "q", "v")
 
     def __init__(self, a: float, b: float, step: float) -> None:
         # features in thousands of tokens (and millions squared): well conditioned
@@ -135,20 +138,32 @@ class PrefillFit:
         self.m = [[0.0] * 4 for _ in range(4)]
         self.v = [0.0] * 4
         self.pw = PRIOR_WEIGHT
+        self.pending = False  # samples added that the coefficients do not reflect yet
 
-    def add(self, x: float, x2: float, steps: float, y: float) -> None:
+    def add(self, x: float, x2: float, steps: float, y: float, solve: bool = True) -> None:
         """A prefill of ``x`` tokens in all (``x2`` the sum of each prompt's square) over
-        ``steps`` steps took ``y`` seconds."""
+        ``steps`` steps took ``y`` seconds; ``solve``: the coefficients follow now, else at
+        the next :meth:`solve` (``pending`` until then)."""
         d = FORGET
         f = (1.0, x / _K, x2 / _K2, steps)
         m, v = self.m, self.v
-        for i in range(4):
-            v[i] = v[i] * d + f[i] * y
+        for i in range(4):  # the symmetric sums, each product once
+            fi = f[i]
+            v[i] = v[i] * d + fi * y
             row = m[i]
-            for j in range(4):
-                row[j] = row[j] * d + f[i] * f[j]
+            for j in range(i, 4):
+                e = row[j] * d + fi * f[j]
+                row[j] = m[j][i] = e
         self.pw *= PRIOR_FADE
         self.n += 1
+        self.pending = True
+        if solve:
+            self.solve()
+
+    def solve(self) -> None:
+        """The coefficients from the samples so far."""
+        self.pending = False
+        m, v = self.m, self.v
         # ridge towards the prior, each coefficient held like pw samples at its feature's scale
         scale = [1.0, 1.0, 1.0, 1.0]
         pw = self.pw
@@ -347,6 +362,7 @@ class EngineCosts:
         "last_gap",
         "last_prefill",
         "model",
+        "next_due",
         "prefill",
         "q_sq",
         "q_steps",
@@ -359,6 +375,7 @@ class EngineCosts:
         "slow",
         "slow_d",
         "slow_gap",
+        "solved_at",
         "stall_xx",
         "stall_xy",
         "step",
@@ -377,6 +394,7 @@ class EngineCosts:
         tps = seed.prefill_tokens_per_second or PRIOR_PREFILL_TOKENS_PER_SECOND
         step = seed.decode_step_seconds or PRIOR_STEP
         self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
+        self.solved_at = -math.inf  # when the prefill fit was last solved
         self.step = Fit(step, PRIOR_STEP_PER_STREAM, 32.0)
         # vLLM's max_num_batched_tokens: not said by the engine, nor learnt (the gaps a prompt
         # stretches show its chunks' cost, not where vLLM cut them); seed.chunkTokens sets it
@@ -393,7 +411,8 @@ class EngineCosts:
         self.jobs: set[Job] = set()
         # whole answers not streamed: the router never sees their first token, so each leaves
         # the queue when its prefill was predicted to end (refresh)
-        self.unseen: list[Job] = []
+        self.unseen: dict[Job, None] = {}  # (a set in the order they came)
+        self.next_due = math.inf  # the earliest of their due times (or earlier: one ended)
         # the gaps of its streams, and those past the ITL bound: counted as they come
         # (seen_*), folded into sums decayed over the window at each decision (*_d)
         self.seen_gaps = self.seen_slow = 0
@@ -417,7 +436,13 @@ class EngineCosts:
 
     def refresh(self, now: float) -> None:
         """Fold the gaps counted since the last decision into the decayed sums; move the
-        unseen whole answers whose prefill should be over to decoding."""
+        unseen whole answers whose prefill should be over to decoding. Once per instant: a
+        decision weighs an engine several times at one ``now``."""
+        if now == self.seen_at and not self.seen_gaps:
+            return
+        if self.prefill.pending and now - self.solved_at >= SOLVE_SECONDS:
+            self.prefill.solve()
+            self.solved_at = now
         d = math.exp(-(now - self.seen_at) / self.tau) if self.seen_at else 1.0
         self.gaps_d = self.gaps_d * d + self.seen_gaps
         self.slow_d = self.slow_d * d + self.seen_slow
@@ -432,19 +457,15 @@ class EngineCosts:
             report(b, "decode_step_seconds", self.step(self.decoding))
             report(b, "slow_gap_share", self.slow_share(now))
             report(b, "chunk_tokens", self.chunk)
-        if not self.unseen:
+        if now < self.next_due:  # no unseen answer's prefill is due yet
             return
-        keep = []
-        for j in self.unseen:
-            if j.ended:
-                continue
-            if now >= j.t_due:
-                self._prefilled(j, now, False)
-                j.decoding = True
-                self.decoding += 1
-            else:
-                keep.append(j)
-        self.unseen = keep
+        due = [j for j in self.unseen if now >= j.t_due]
+        for j in due:
+            del self.unseen[j]
+            self._prefilled(j, now, False)
+            j.decoding = True
+            self.decoding += 1
+        self.next_due = min((j.t_due for j in self.unseen), default=math.inf)
 
     # ------------------------------------------------------------------ predictions
     def prefill_seconds(self, tokens: int) -> float:
@@ -511,6 +532,10 @@ class EngineCosts:
         of a step."""
         bound = math.log(self.itl_bound)
         size = max(16.0, self.chunk)
+        if tokens <= 0:
+            return 0.0
+        if tokens <= size:  # one chunk (most prompts): its step alone
+            return _above(math.log(self.chunk_seconds(0.0, tokens)) - bound, STEP_SPREAD)
         total, done, n, t = 0.0, 0.0, 0, self.itl_bound
         while done < tokens and n < MAX_CHUNKS:
             c = min(size, tokens - done)
@@ -571,8 +596,23 @@ class EngineCosts:
         return rate / max(0.1, 1.0 - rate * gap)
 
     # ------------------------------------------------------------------ bookkeeping
-    def start(self, kind: str, tokens: int, out: int, stream: bool, now: float) -> Job:
-        slow = self.slow_steps(tokens) if kind != "decode" else 0.0
+    def start(
+        self,
+        kind: str,
+        tokens: int,
+        out: int,
+        stream: bool,
+        now: float,
+        planned: tuple[float, float] | None = None,
+    ) -> Job:
+        """``planned``: (slow steps, prefill seconds) the decision predicted for this very call
+        (a prefill's are the same figures, found again otherwise)."""
+        if kind == "decode":
+            slow = 0.0
+        elif planned is not None:
+            slow = planned[0]
+        else:
+            slow = self.slow_steps(tokens)
         job = Job(self, kind, tokens, out, stream, slow, now)
         job.ahead = (self.q_tokens, self.q_sq, self.q_steps)
         job.step0 = self.step(self.decoding)
@@ -581,8 +621,10 @@ class EngineCosts:
             self.decoding += 1
         else:
             if kind == "whole" and not stream:
-                job.t_due = now + self.prefill_seconds(tokens)
-                self.unseen.append(job)
+                pf = planned[1] if planned is not None else self.prefill_seconds(tokens)
+                job.t_due = now + pf
+                self.unseen[job] = None
+                self.next_due = min(self.next_due, job.t_due)
             self.q_tokens += tokens
             self.q_sq += tokens * tokens
             self.q_steps += job.steps
@@ -608,7 +650,10 @@ class EngineCosts:
     def learn_prefill(self, job: Job, now: float) -> None:
         x, x2, steps = job.ahead
         n = job.tokens
-        self.prefill.add(x + n, x2 + n * n, steps + job.steps, now - job.t_send - job.step0)
+        solve = now - self.solved_at >= SOLVE_SECONDS
+        self.prefill.add(x + n, x2 + n * n, steps + job.steps, now - job.t_send - job.step0, solve)
+        if solve:
+            self.solved_at = now
 
     def first_token(self, job: Job, now: float) -> None:
         if job.kind == "whole":
@@ -625,6 +670,7 @@ class EngineCosts:
 
     def ended(self, job: Job, now: float) -> None:
         self.jobs.discard(job)
+        self.unseen.pop(job, None)
         # out of the queue; what it teaches is told apart (Job.first, Job.answered): a call
         # that failed teaches nothing
         self._prefilled(job, now, False)
@@ -660,7 +706,10 @@ def poisson_above(mean: float, k: int) -> float:
 def _above(z: float, spread: float) -> float:
     """The chance that a log-normal quantity predicted ``z`` (log units) from a bound is past
     it."""
-    return 0.5 * (1.0 + math.erf(z / (spread * math.sqrt(2.0))))
+    return 0.5 * (1.0 + math.erf(z / (spread * _SQRT2)))
+
+
+_SQRT2 = math.sqrt(2.0)
 
 
 class CostModel:
@@ -713,9 +762,11 @@ class CostModel:
 class Meter:
     """One request's tie to the cost model: each engine call of it starts a :class:`Job`
     sized by what the decision learnt (the prompt's tokens, those each engine holds, the output
-    budget); a call to an engine the decision did not weigh (a retry) counts the whole prompt."""
+    budget); a call to an engine the decision did not weigh (a retry) counts the whole prompt.
+    The call the decision planned starts from its predictions (``planned``: the engine that
+    prefills, the call's kind, its slow steps and prefill seconds)."""
 
-    __slots__ = ("held", "model", "out", "predicted_ttft", "stream", "tokens")
+    __slots__ = ("held", "model", "out", "planned", "stream", "tokens")
 
     def __init__(
         self,
@@ -724,17 +775,20 @@ class Meter:
         held: dict[str, int],
         out: int,
         stream: bool,
-        predicted_ttft: float,
+        planned: tuple[str, str, float, float] | None = None,
     ) -> None:
         self.model = model
         self.tokens = tokens
         self.held = held  # engine base URL -> prompt tokens it holds
         self.out = out
         self.stream = stream
-        self.predicted_ttft = predicted_ttft  # from the decision, seconds
+        self.planned = planned
 
     def job(self, base: str, generation: int, kind: str) -> Job:
         """A call of ``kind`` to that engine, sent now (its Lease ends it)."""
         tokens = max(1, self.tokens - self.held.get(base, 0))
         c = self.model.of(base, generation)
-        return c.start(kind, tokens, self.out if kind != "prefill" else 0, self.stream, c.clock())
+        p = self.planned
+        figures = (p[2], p[3]) if p is not None and p[0] == base and p[1] == kind else None
+        out = self.out if kind != "prefill" else 0
+        return c.start(kind, tokens, out, self.stream, c.clock(), figures)

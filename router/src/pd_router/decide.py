@@ -206,8 +206,8 @@ class Decider:
                 dec = first.option.decoder
                 held, src = self._held(dec, blocks, None)
                 matched = min(held, est - 1)
-                opt = planner.whole(
-                    dec, max(1, est - matched), out or 0, costs.ttft_bound(est), now
+                opt = planner.retimed(
+                    first.option, max(1, est - matched), costs.ttft_bound(est), now
                 )
                 held = {dec.base: matched}
                 return Decision(
@@ -249,7 +249,7 @@ class Decider:
     ) -> Meter:
         assert self.costs is not None
         budget = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
-        return Meter(self.costs, tokens, held, budget, body.get("stream") is True, o.ttft)
+        return Meter(self.costs, tokens, held, budget, body.get("stream") is True, o.planned())
 
     async def _count_exactly(
         self,

@@ -78,9 +78,9 @@ PAIR_CANDIDATES = 4
 Held = Callable[[Endpoint], int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a microsecond a request
 class Option:
-    """One way to serve the request and what it is predicted to do."""
+    """One way to serve the request and what it is predicted to do (not changed once made)."""
 
     decoder: Endpoint
     prefiller: Endpoint | None  # None: whole on ``decoder``
@@ -89,6 +89,16 @@ class Option:
     misses: float  # expected SLO misses: its TTFT, its ITL, and the streams its prefill harms
     itl_misses: float  # of which from ITL (its own and the harmed streams')
     streams: int = 0  # streams decoding on its decoder now
+    slow: float = 0.0  # steps its prefill is expected to stretch where it is prefilled
+    prefill: float = 0.0  # seconds its prefill is predicted to take there (queue included)
+    harm: float = 0.0  # of ``itl_misses``, the streams its prefill pushes past their ITL p95
+
+    def planned(self) -> tuple[str, str, float, float]:
+        """What the call that prefills it starts from (pd_router.costs.Meter): that engine,
+        the call's kind, its slow steps and prefill seconds."""
+        if self.prefiller is None:
+            return (self.decoder.base, "whole", self.slow, self.prefill)
+        return (self.prefiller.base, "prefill", self.slow, self.prefill)
 
     def better(self, other: Option) -> bool:
         """The rule (module docstring): fewer expected misses (by more than ``TIE``); then
@@ -144,9 +154,23 @@ class Planner:
         c = self._costs(ep, now)
         ttft = c.prefill_seconds(tokens)
         step, itl_miss = self._decode(c, out, now)
-        itl_misses = itl_miss + c.harm(c.slow_steps(tokens), now)
+        slow = c.slow_steps(tokens)
+        harm = c.harm(slow, now)
+        itl_misses = itl_miss + harm
         misses = ttft_miss(ttft, bound) + itl_misses
-        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding)
+        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm)
+
+    def retimed(self, o: Option, tokens: int, bound: float, now: float) -> Option:
+        """The whole option ``o``, weighed at a prompt's upper bound, for the ``tokens`` it is
+        estimated at: its TTFT, its prefill's slow steps and their harm found again; its own
+        ITL kept (the engine's step and slow gaps do not depend on the prompt)."""
+        c = self._costs(o.decoder, now)
+        ttft = c.prefill_seconds(tokens)
+        slow = c.slow_steps(tokens)
+        harm = c.harm(slow, now)
+        itl_misses = o.itl_misses - o.harm + harm
+        misses = ttft_miss(ttft, bound) + itl_misses
+        return Option(o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm)
 
     def choose(
         self,
@@ -200,7 +224,8 @@ class Planner:
                 continue
             c = self._costs(x, now)
             tokens = max(1, prompt - held(x))
-            pre.append((c.harm(c.slow_steps(tokens), now), c.prefill_seconds(tokens), x))
+            slow = c.slow_steps(tokens)
+            pre.append((c.harm(slow, now), c.prefill_seconds(tokens), x, slow))
         pre.sort(key=lambda t: (t[0], t[1]))
         dec = []
         for y in decoders:
@@ -213,14 +238,14 @@ class Planner:
             dec.append((itl_miss, wait, step, y, c.decoding))
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None
-        for harm, pf, x in pre[:PAIR_CANDIDATES]:
+        for harm, pf, x, slow in pre[:PAIR_CANDIDATES]:
             for itl_miss, wait, step, y, streams in dec[:PAIR_CANDIDATES]:
                 if y is x or y.revision != x.revision:
                     continue
                 ttft = pf + wait
                 itl_misses = harm + itl_miss
                 misses = ttft_miss(ttft, bound) + itl_misses
-                o = Option(y, x, ttft, step, misses, itl_misses, streams)
+                o = Option(y, x, ttft, step, misses, itl_misses, streams, slow, pf, harm)
                 if best is None or o.better(best):
                     best = o
         return best
@@ -231,5 +256,7 @@ def ttft_miss(predicted: float, bound: float) -> float:
     (log-normal spread ``TTFT_SPREAD`` around the prediction)."""
     if predicted <= 0:
         return 0.0
-    z = (math.log(predicted) - math.log(bound)) / TTFT_SPREAD
-    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+    return 0.5 * (1.0 + math.erf(math.log(predicted / bound) * _TTFT_Z))
+
+
+_TTFT_Z = 1.0 / (TTFT_SPREAD * math.sqrt(2.0))

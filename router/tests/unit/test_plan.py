@@ -10,7 +10,16 @@ import random
 import pytest
 
 from pd_router.config import Goodput, GoodputSeed
-from pd_router.costs import CostModel, EngineCosts, Fit, Meter, PrefillFit, _solve, poisson_above
+from pd_router.costs import (
+    SOLVE_SECONDS,
+    CostModel,
+    EngineCosts,
+    Fit,
+    Meter,
+    PrefillFit,
+    _solve,
+    poisson_above,
+)
 from pd_router.discovery import Endpoint
 from pd_router.plan import Planner, ttft_miss
 
@@ -379,6 +388,71 @@ def test_an_answer_not_streamed_leaves_the_queue_when_its_prefill_should_be_over
     assert (c.queued, c.decoding) == (0, 1)
 
 
+def test_an_answer_not_streamed_that_ended_before_its_prefill_was_due_is_forgotten() -> None:
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    early = c.start("whole", 1000, 50, False, clock())
+    running = c.start("whole", 1000, 50, False, clock())
+    clock.t += 0.1
+    early.end()  # answered long before its predicted prefill end
+    assert c.queued == 1000 and len(c.unseen) == 1
+    clock.t += 5.0
+    c.refresh(clock())
+    assert (c.queued, c.decoding) == (0, 1)  # the one still running, not the one that ended
+    running.end()
+    assert (c.queued, c.decoding, len(c.jobs), len(c.unseen)) == (0, 0, 0, 0)
+
+
+def test_prefill_samples_faster_than_a_solve_are_summed_and_solved_by_the_next_decision() -> None:
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    ref = PrefillFit(c.prefill.a, c.prefill.b, c.prefill.c)  # solved at every sample
+
+    def prefill(tokens: int, seconds: float) -> None:
+        j = c.start("prefill", tokens, 0, False, clock())
+        clock.t += seconds
+        j.end()
+        j.answered()
+        assert j.ahead == (0, 0, 0)  # nothing queued ahead of it
+        ref.add(tokens, tokens * tokens, j.steps, seconds - j.step0)
+
+    prefill(2000, 4.0)  # the first sample is solved at once
+    assert (c.prefill.b, c.prefill.pending) == (ref.b, False)
+    b_then = c.prefill.b
+    for n in (500, 1000, 1500):
+        prefill(n, 0.01)  # 10 ms apart: within SOLVE_SECONDS of each other
+    assert c.prefill.pending and c.prefill.n == ref.n == 4
+    c.refresh(clock())  # a decision within SOLVE_SECONDS of the last solve: not yet
+    assert c.prefill.pending and c.prefill.b == b_then
+    clock.t += SOLVE_SECONDS
+    c.refresh(clock())  # the next decision after it solves what came
+    assert not c.prefill.pending
+    fitted = (c.prefill.a, c.prefill.b, c.prefill.q, c.prefill.c)
+    assert fitted == pytest.approx((ref.a, ref.b, ref.q, ref.c), rel=1e-9)  # the clock's rounding
+    assert c.prefill.b != b_then  # negative control: the samples did move it
+
+
+def test_the_call_a_decision_planned_starts_from_its_predictions() -> None:
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    o = planner.whole(a, 1500, 64, 10.0, clock())
+    assert o.planned() == (a.base, "whole", o.slow, o.ttft)
+    m = Meter(model, 1500, {}, 64, False, o.planned())
+    clock.t += 0.001
+    costs(model, a).start("whole", 3000, 64, False, clock())  # came in between
+    afresh = costs(model, a).prefill_seconds(1500)
+    ja = m.job(a.base, a.generation, "whole")
+    assert ja.t_due == clock() + o.prefill and ja.slow_steps == o.slow
+    assert afresh > o.prefill  # negative control: weighed afresh, it would differ
+    # a retry elsewhere is weighed afresh, behind what b has queued
+    costs(model, b).start("whole", 3000, 64, False, clock())
+    expected = clock() + costs(model, b).prefill_seconds(1500)
+    jb = m.job(b.base, b.generation, "whole")
+    assert jb.t_due == expected and jb.t_due > ja.t_due
+
+
 def test_a_restarted_engine_is_learnt_afresh() -> None:
     model, _, _clock = setup()
     (a,) = engines("a")
@@ -392,7 +466,7 @@ def test_a_restarted_engine_is_learnt_afresh() -> None:
 def test_a_meter_sizes_each_call_by_what_that_engine_holds() -> None:
     model, _, _clock = setup()
     a, b = engines("a", "b")
-    m = Meter(model, 2000, {a.base: 1500}, 64, True, 1.0)
+    m = Meter(model, 2000, {a.base: 1500}, 64, True)
     ja = m.job(a.base, a.generation, "prefill")
     jb = m.job(b.base, b.generation, "decode")
     assert (ja.tokens, ja.out, jb.tokens, jb.out) == (500, 0, 2000, 64)
