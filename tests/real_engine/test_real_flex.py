@@ -18,9 +18,10 @@ from pd_router_dev import devstack
 from pd_router_dev.devstack import Proc, Stack
 
 from tests.real_engine import engines
-from tests.real_engine.conftest import FLEX, Pairs, Routers
+from tests.real_engine.conftest import FLEX, Pairs
 from tests.real_engine.events import until
 from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, Answer, ask, colocated, text
+from tests.real_engine.routers import Routers
 
 SOURCES = "vllm:prompt_tokens_by_source_total"
 CASES = [(chat, stream) for chat in (True, False) for stream in (False, True)]

@@ -14,9 +14,10 @@ import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
-from tests.real_engine.conftest import Pairs, Routers
+from tests.real_engine.conftest import Pairs
 from tests.real_engine.events import STATE, metric, settle, until
 from tests.real_engine.prompts import LONG_WORDS, ask, colocated, text
+from tests.real_engine.routers import Routers
 
 SOURCES = "vllm:prompt_tokens_by_source_total"
 

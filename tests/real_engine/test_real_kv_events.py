@@ -34,9 +34,10 @@ import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
-from tests.real_engine.conftest import Pairs, Routers
+from tests.real_engine.conftest import Pairs
 from tests.real_engine.events import STATE, metric, published, settle, until
 from tests.real_engine.prompts import ask, text
+from tests.real_engine.routers import Routers
 
 HIT = "vllm:prompt_tokens_by_source_total"
 THRESHOLD = 512  # the dev environment's router.threshold (conftest's router renders it)

@@ -42,8 +42,9 @@ import pytest
 
 from tests.engines import rendered
 from tests.real_engine import engines
-from tests.real_engine.conftest import Pairs, Routers
+from tests.real_engine.conftest import Pairs
 from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, Answer, ask, colocated, text
+from tests.real_engine.routers import Routers
 
 RENDERS = tuple(rendered.REAL_ONLY_RENDERS)  # the dev environment at model revisions 0 and 1
 OLD = [text(f"revision-old-{i}", LONG_WORDS) for i in range(3)]

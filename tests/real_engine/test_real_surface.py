@@ -15,8 +15,8 @@ from pd_router_dev.devstack import Proc
 
 from tests import helm
 from tests.real_engine import engines
-from tests.real_engine.conftest import Routers
 from tests.real_engine.prompts import LONG_WORDS, text
+from tests.real_engine.routers import Routers
 from tests.real_engine.test_real_sim_differential import ERRORS, call, shape
 
 # What the router refuses itself, before any engine (openai_wire.validate), and the field its

@@ -20,8 +20,9 @@ from pd_router_dev.otelcol import Collector
 
 from tests.engines import rendered
 from tests.real_engine import engines
-from tests.real_engine.conftest import Pairs, Routers
+from tests.real_engine.conftest import Pairs
 from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, text
+from tests.real_engine.routers import Routers
 from tests.real_engine.test_real_faults import _spawn_tamper, arm
 
 RENDER = "env:dev traced"
