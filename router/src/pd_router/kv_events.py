@@ -471,235 +471,7 @@ class KvEventIndex:
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
         assert self._ctx is not None
-        ctx = self._ctx
-        wake = ctx.socket(zmq.PAIR)
-        wake.connect(self._wake_addr)
-        poller = zmq.Poller()
-        poller.register(wake, zmq.POLLIN)
-        subs: dict[str, zmq.Socket[Any]] = {}  # base -> SUB
-        monitors: dict[zmq.Socket[Any], str] = {}  # a SUB's connection events -> base
-        due: dict[str, float] = {}  # base -> when to replay what its new connection missed
-        by_sock: dict[zmq.Socket[Any], str] = {}
-        replays: dict[str, tuple[zmq.Socket[Any], float, list[tuple[int, bytes]]]] = {}
-        sources: dict[str, Source] = {}
-
-        def close(base: str) -> None:
-            due.pop(base, None)
-            s = subs.pop(base, None)
-            if s is not None:
-                for mon in [m for m, b in monitors.items() if b == base]:
-                    poller.unregister(mon)
-                    del monitors[mon]
-                    s.disable_monitor()
-                    mon.close(linger=0)
-                poller.unregister(s)
-                by_sock.pop(s, None)
-                s.close(linger=0)
-            r = replays.pop(base, None)
-            if r is not None:
-                poller.unregister(r[0])
-                by_sock.pop(r[0], None)
-                r[0].close(linger=0)
-
-        def ask_replay(base: str, start: int, held: list[tuple[int, bytes]]) -> bool:
-            src = sources.get(base)
-            if src is None or src.replay is None:
-                return False
-            d = ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.connect(src.replay)
-            d.send_multipart((b"", start.to_bytes(8, "big")))
-            poller.register(d, zmq.POLLIN)
-            by_sock[d] = base
-            replays[base] = (d, time.monotonic() + REPLAY_TIMEOUT_SECONDS, held)
-            return True
-
-        def joined(base: str, mon: zmq.Socket[Any]) -> None:
-            """The SUB's connection is up (again): replay what was published before it was,
-            from the start the first time (a router started next to running engines then
-            knows their caches at once), else from past the last batch applied."""
-            up = False
-            with contextlib.suppress(zmq.Again):
-                while True:
-                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
-                    up = up or ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-            if up:  # the subscription reaches the PUB just after the handshake: ask a bit later
-                due[base] = time.monotonic() + JOIN_REPLAY_DELAY_SECONDS
-
-        def give_up(base: str, why: str) -> None:
-            e = self.engines.get(base)
-            r = replays.pop(base, None)
-            if r is not None:
-                poller.unregister(r[0])
-                by_sock.pop(r[0], None)
-                r[0].close(linger=0)
-            if e is not None:
-                log.warning("kv events: %s: %s; approximate index until rebuilt", base, why)
-                e.uncertain()
-                self._counted("gap")
-                self._report()
-
-        def take(base: str, seq: int, payload: bytes) -> None:
-            e = self.engines.get(base)
-            if e is None:
-                return
-            last = e.last_seq
-            if base in replays:
-                replays[base][2].append((seq, payload))  # applied once the replay is in
-                return
-            if last is not None and seq <= last:
-                if seq < last:  # a new publisher (the engine restarted): start empty
-                    e.clear()
-                    self._counted("restarted")
-                else:
-                    return  # a duplicate
-            elif (last is None and seq > 0) or (last is not None and seq > last + 1):
-                start = 0 if last is None else last + 1
-                if ask_replay(base, start, [(seq, payload)]):
-                    return
-                if last is not None:
-                    give_up(base, f"events {start}..{seq - 1} were missed and cannot be replayed")
-                # never seen: what came before only makes the picture smaller (under-claims)
-            apply(e, seq, payload)
-
-        def apply(e: EngineBlocks, seq: int, payload: bytes) -> None:
-            try:
-                batch = _decode_batch(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("kv events: an unreadable batch (seq %d): %s", seq, exc)
-                self._counted("malformed")
-                e.last_seq = seq
-                return
-            was = e.certain
-            e.apply(batch.events)
-            e.last_seq = seq
-            self.batches += 1
-            self._counted("applied")
-            if e.certain != was:
-                self._report()
-
-        def replayed(base: str, frames: list[bytes]) -> None:
-            r = replays.get(base)
-            e = self.engines.get(base)
-            if r is None or e is None or len(frames) != 4:
-                return
-            seq = int.from_bytes(frames[2], "big", signed=True)
-            if seq == _END_SEQ:
-                sock, _, held = r
-                replays.pop(base)
-                poller.unregister(sock)
-                by_sock.pop(sock, None)
-                sock.close(linger=0)
-                for s, p in sorted(held):
-                    take(base, s, p)
-                return
-            last = e.last_seq
-            if last is not None and seq <= last:
-                return
-            if last is not None and seq > last + 1:
-                give_up(base, f"the replay starts at {seq}, after {last + 1}")
-                return
-            apply(e, seq, frames[3])
-            self._counted("replayed")
-
-        running = True
-        while running:
-            ready = poller.poll(_POLL_MS)
-            if ready and COALESCE_SECONDS:
-                # let a burst gather: one wake-up (and GIL hand-over) per burst, not per batch
-                time.sleep(COALESCE_SECONDS)
-                ready = poller.poll(0)
-            for s, _ in ready:
-                if s in monitors:
-                    joined(monitors[s], s)
-                    continue
-                if s is wake:
-                    with contextlib.suppress(zmq.ZMQError):
-                        while True:
-                            wake.recv(zmq.NOBLOCK)
-                    continue
-                base = by_sock.get(s)
-                if base is None:
-                    continue
-                try:
-                    while True:
-                        frames = s.recv_multipart(zmq.NOBLOCK)
-                        if s is subs.get(base):
-                            if len(frames) == 3:
-                                take(base, int.from_bytes(frames[1], "big"), frames[2])
-                        else:
-                            replayed(base, frames)
-                        if s.closed:
-                            break
-                except zmq.Again:
-                    pass
-                except zmq.ZMQError:
-                    pass
-            now = time.monotonic()
-            for base, at in list(due.items()):
-                e = self.engines.get(base)
-                if now < at or e is None:
-                    continue
-                del due[base]
-                if base not in replays:
-                    ask_replay(base, 0 if e.last_seq is None else e.last_seq + 1, [])
-            for base, (_, deadline, held) in list(replays.items()):
-                if now < deadline:
-                    continue
-                e = self.engines.get(base)
-                if e is not None and e.last_seq is None:
-                    # the replay on subscribing: without it only the blocks stored before are
-                    # unknown (under-claimed), so the picture stays exact
-                    sock = replays.pop(base)[0]
-                    poller.unregister(sock)
-                    by_sock.pop(sock, None)
-                    sock.close(linger=0)
-                    log.warning("kv events: %s: its replay did not answer in time", base)
-                else:
-                    give_up(base, "the replay did not answer in time")
-                for sq, p in sorted(held):
-                    if e is not None:
-                        apply(e, sq, p)
-            while True:
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd[0] == "stop":
-                    running = False
-                    break
-                if cmd[0] == "unwatch":
-                    close(cmd[1])
-                    sources.pop(cmd[1], None)
-                    self.engines.pop(cmd[1], None)
-                    self._pools.pop(cmd[1], None)
-                    self._report()
-                    continue
-                _, pool, base, generation, source, capacity, hybrid = cmd
-                close(base)
-                sources[base] = source
-                e = EngineBlocks(generation)
-                e.capacity_blocks = capacity
-                e.hybrid = hybrid
-                self.engines[base] = e
-                self._pools[base] = pool
-                sock = ctx.socket(zmq.SUB)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SUBSCRIBE, source.topic)
-                # PUB/SUB joins asynchronously: what is published before the connection is up
-                # is lost to it, so each handshake asks the replay for what came meanwhile
-                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-                monitors[mon] = base
-                poller.register(mon, zmq.POLLIN)
-                sock.connect(source.endpoint)
-                subs[base] = sock
-                by_sock[sock] = base
-                poller.register(sock, zmq.POLLIN)
-                log.info("kv events: subscribed to %s (%s)", source.endpoint, base)
-                self._report()
-        for base in list(subs):
-            close(base)
-        wake.close(linger=0)
+        _Subscriber(self, self._ctx).run()
 
     def _report(self) -> None:
         if self._on_state is None:
@@ -714,6 +486,261 @@ class KvEventIndex:
         for pool in set(self._pools.values()) | {"prefill", "decode"}:
             for state in ("exact", "uncertain"):
                 self._on_state(pool, state, counts.get((pool, state), 0))
+
+
+class _Subscriber:
+    """The KV-event thread of one :class:`KvEventIndex`: a SUB socket per watched engine, its
+    connection monitor (each handshake asks the engine's replay for what the SUB missed), the
+    replays in flight and the batches held until they answer. Only this thread touches the
+    sockets; the index's ``engines`` it writes are read by the event loop (whole-object
+    swaps and appends, safe under the GIL)."""
+
+    def __init__(self, index: KvEventIndex, ctx: zmq.Context[Any]) -> None:
+        self.index = index
+        self.ctx = ctx
+        self.wake = ctx.socket(zmq.PAIR)
+        self.wake.connect(index._wake_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.wake, zmq.POLLIN)
+        self.subs: dict[str, zmq.Socket[Any]] = {}  # base -> SUB
+        self.monitors: dict[zmq.Socket[Any], str] = {}  # a SUB's connection events -> base
+        self.due: dict[str, float] = {}  # base -> when to replay what its new connection missed
+        self.by_sock: dict[zmq.Socket[Any], str] = {}  # a SUB or a replay DEALER -> base
+        # base -> (its replay DEALER, the deadline, the batches that came meanwhile)
+        self.replays: dict[str, tuple[zmq.Socket[Any], float, list[tuple[int, bytes]]]] = {}
+        self.sources: dict[str, Source] = {}
+
+    def run(self) -> None:
+        try:
+            while self._step():
+                pass
+        finally:
+            for base in list(self.subs):
+                self.close(base)
+            self.wake.close(linger=0)
+
+    def _step(self) -> bool:
+        """One turn: what the sockets have, the replays now due or overdue, the commands; False
+        once told to stop."""
+        ready = self.poller.poll(_POLL_MS)
+        if ready and COALESCE_SECONDS:
+            # let a burst gather: one wake-up (and GIL hand-over) per burst, not per batch
+            time.sleep(COALESCE_SECONDS)
+            ready = self.poller.poll(0)
+        for s, _ in ready:
+            self._readable(s)
+        now = time.monotonic()
+        self._ask_due(now)
+        self._expire_replays(now)
+        return self._commands()
+
+    def _readable(self, s: zmq.Socket[Any]) -> None:
+        if s in self.monitors:
+            self.joined(self.monitors[s], s)
+            return
+        if s is self.wake:
+            with contextlib.suppress(zmq.ZMQError):
+                while True:
+                    self.wake.recv(zmq.NOBLOCK)
+            return
+        base = self.by_sock.get(s)
+        if base is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # zmq.Again included: drained
+            while True:
+                frames = s.recv_multipart(zmq.NOBLOCK)
+                if s is self.subs.get(base):
+                    if len(frames) == 3:
+                        self.take(base, int.from_bytes(frames[1], "big"), frames[2])
+                else:
+                    self.replayed(base, frames)
+                if s.closed:
+                    break
+
+    def _ask_due(self, now: float) -> None:
+        for base, at in list(self.due.items()):
+            e = self.index.engines.get(base)
+            if now < at or e is None:
+                continue
+            del self.due[base]
+            if base not in self.replays:
+                self.ask_replay(base, 0 if e.last_seq is None else e.last_seq + 1, [])
+
+    def _expire_replays(self, now: float) -> None:
+        for base, (_, deadline, held) in list(self.replays.items()):
+            if now < deadline:
+                continue
+            e = self.index.engines.get(base)
+            if e is not None and e.last_seq is None:
+                # the replay on subscribing: without it only the blocks stored before are
+                # unknown (under-claimed), so the picture stays exact
+                self._drop_replay(base)
+                log.warning("kv events: %s: its replay did not answer in time", base)
+            else:
+                self.give_up(base, "the replay did not answer in time")
+            for sq, p in sorted(held):
+                if e is not None:
+                    self.apply(e, sq, p)
+
+    def _commands(self) -> bool:
+        ix = self.index
+        while True:
+            try:
+                cmd = ix._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "unwatch":
+                self.close(cmd[1])
+                self.sources.pop(cmd[1], None)
+                ix.engines.pop(cmd[1], None)
+                ix._pools.pop(cmd[1], None)
+                ix._report()
+                continue
+            self._watch(*cmd[1:])
+
+    def _watch(
+        self, pool: str, base: str, generation: int, source: Source, capacity: int, hybrid: bool
+    ) -> None:
+        ix = self.index
+        self.close(base)
+        self.sources[base] = source
+        e = EngineBlocks(generation)
+        e.capacity_blocks = capacity
+        e.hybrid = hybrid
+        ix.engines[base] = e
+        ix._pools[base] = pool
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, source.topic)
+        # PUB/SUB joins asynchronously: what is published before the connection is up is lost
+        # to it, so each handshake asks the replay for what came meanwhile
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.monitors[mon] = base
+        self.poller.register(mon, zmq.POLLIN)
+        sock.connect(source.endpoint)
+        self.subs[base] = sock
+        self.by_sock[sock] = base
+        self.poller.register(sock, zmq.POLLIN)
+        log.info("kv events: subscribed to %s (%s)", source.endpoint, base)
+        ix._report()
+
+    def _drop_replay(self, base: str) -> None:
+        r = self.replays.pop(base, None)
+        if r is not None:
+            self.poller.unregister(r[0])
+            self.by_sock.pop(r[0], None)
+            r[0].close(linger=0)
+
+    def close(self, base: str) -> None:
+        self.due.pop(base, None)
+        s = self.subs.pop(base, None)
+        if s is not None:
+            for mon in [m for m, b in self.monitors.items() if b == base]:
+                self.poller.unregister(mon)
+                del self.monitors[mon]
+                s.disable_monitor()
+                mon.close(linger=0)
+            self.poller.unregister(s)
+            self.by_sock.pop(s, None)
+            s.close(linger=0)
+        self._drop_replay(base)
+
+    def ask_replay(self, base: str, start: int, held: list[tuple[int, bytes]]) -> bool:
+        src = self.sources.get(base)
+        if src is None or src.replay is None:
+            return False
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(src.replay)
+        d.send_multipart((b"", start.to_bytes(8, "big")))
+        self.poller.register(d, zmq.POLLIN)
+        self.by_sock[d] = base
+        self.replays[base] = (d, time.monotonic() + REPLAY_TIMEOUT_SECONDS, held)
+        return True
+
+    def joined(self, base: str, mon: zmq.Socket[Any]) -> None:
+        """The SUB's connection is up (again): replay what was published before it was, from
+        the start the first time (a router started next to running engines then knows their
+        caches at once), else from past the last batch applied."""
+        up = False
+        with contextlib.suppress(zmq.Again):
+            while True:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                up = up or ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        if up:  # the subscription reaches the PUB just after the handshake: ask a bit later
+            self.due[base] = time.monotonic() + JOIN_REPLAY_DELAY_SECONDS
+
+    def give_up(self, base: str, why: str) -> None:
+        e = self.index.engines.get(base)
+        self._drop_replay(base)
+        if e is not None:
+            log.warning("kv events: %s: %s; approximate index until rebuilt", base, why)
+            e.uncertain()
+            self.index._counted("gap")
+            self.index._report()
+
+    def take(self, base: str, seq: int, payload: bytes) -> None:
+        e = self.index.engines.get(base)
+        if e is None:
+            return
+        last = e.last_seq
+        if base in self.replays:
+            self.replays[base][2].append((seq, payload))  # applied once the replay is in
+            return
+        if last is not None and seq <= last:
+            if seq < last:  # a new publisher (the engine restarted): start empty
+                e.clear()
+                self.index._counted("restarted")
+            else:
+                return  # a duplicate
+        elif (last is None and seq > 0) or (last is not None and seq > last + 1):
+            start = 0 if last is None else last + 1
+            if self.ask_replay(base, start, [(seq, payload)]):
+                return
+            if last is not None:
+                self.give_up(base, f"events {start}..{seq - 1} were missed and cannot be replayed")
+            # never seen: what came before only makes the picture smaller (under-claims)
+        self.apply(e, seq, payload)
+
+    def apply(self, e: EngineBlocks, seq: int, payload: bytes) -> None:
+        ix = self.index
+        try:
+            batch = _decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("kv events: an unreadable batch (seq %d): %s", seq, exc)
+            ix._counted("malformed")
+            e.last_seq = seq
+            return
+        was = e.certain
+        e.apply(batch.events)
+        e.last_seq = seq
+        ix.batches += 1
+        ix._counted("applied")
+        if e.certain != was:
+            ix._report()
+
+    def replayed(self, base: str, frames: list[bytes]) -> None:
+        r = self.replays.get(base)
+        e = self.index.engines.get(base)
+        if r is None or e is None or len(frames) != 4:
+            return
+        seq = int.from_bytes(frames[2], "big", signed=True)
+        if seq == _END_SEQ:
+            held = r[2]
+            self._drop_replay(base)
+            for s, p in sorted(held):
+                self.take(base, s, p)
+            return
+        last = e.last_seq
+        if last is not None and seq <= last:
+            return
+        if last is not None and seq > last + 1:
+            self.give_up(base, f"the replay starts at {seq}, after {last + 1}")
+            return
+        self.apply(e, seq, frames[3])
+        self.index._counted("replayed")
 
 
 def lora_of(model: Any, names: Sequence[str]) -> str | None:
