@@ -431,6 +431,19 @@ def _traced_targets(
         out.append(Target(key, label, "ours", route, r.url(), r.pid, w, "warning", modes=modes))
 
 
+def _profiled(b: Bench) -> Callable[[Stack, str, dict[str, Any]], profile.Started]:
+    """How pd_router_dev.profile starts each router it profiles: as the bench starts ours,
+    answering before it is measured."""
+
+    def start(st: Stack, name: str, over: dict[str, Any]) -> profile.Started:
+        router, _ = _start_ours(b, st, name, over, "warning")
+        t = Target(name, name, "ours", name, router.url(), router.pid)
+        _probe(t)
+        return router.url(), router.pid, router.stop
+
+    return start
+
+
 def _probe(t: Target) -> None:
     body = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -1300,7 +1313,8 @@ def main(argv: list[str] | None = None) -> int:
             b.notes.append(f"no profile: {exc}")
         else:
             say("bench: where our router's CPU goes (py-spy)")
-            profile_rows = profile.run(b, say, Path(a.out).parent if a.out else None)
+            keep = Path(a.out).parent if a.out else None
+            profile_rows = profile.run(b, say, keep, _profiled(b), _body(False))
     header = (
         f"## make bench ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, {pin_note}; "
         f"our router with listen.workers = {len(router_cpus) if router_cpus else 1} unless noted; "

@@ -152,11 +152,22 @@ def table(found: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def run(bench: Any, say: Callable[[str], None], keep: Path | None) -> list[dict[str, Any]]:
+# A router started for one profiled route: (its URL, its pid, a way to stop it).
+Started = tuple[str, int, Callable[[], None]]
+
+
+def run(
+    bench: Any,
+    say: Callable[[str], None],
+    keep: Path | None,
+    start: Callable[[Any, str, dict[str, Any]], Started],
+    body: bytes,
+) -> list[dict[str, Any]]:
     """Profile our direct and NIXL routes with ``bench``'s CPU sets and arguments (a
-    ``pd_router_dev.bench.Bench``), each router alone against a fresh engine; py-spy's raw
-    stacks are kept in ``keep`` (``<route>.profile.txt``: flamegraph.pl or speedscope read it)."""
-    from pd_router_dev import bench as b  # the bench's own router start and load; no cycle
+    ``pd_router_dev.bench.Bench``), each router alone against a fresh engine: ``start(stack,
+    name, config overrides)`` starts one and waits until it answers (the bench's own start),
+    ``body`` is what the load generator sends. py-spy's raw stacks are kept in ``keep``
+    (``<route>.profile.txt``: flamegraph.pl or speedscope read it)."""
     from pd_router_dev import fastengine
     from pd_router_dev.devstack import Stack, static_pools
 
@@ -178,13 +189,11 @@ def run(bench: Any, say: Callable[[str], None], keep: Path | None) -> list[dict[
             ("ours-nixl", "NIXL route", 0),
         ):
             over = {"routing": {"connector": "nixl", "threshold": threshold}, "pools": pools}
-            router, _ = b._start_ours(bench, st, f"profile-{key}", over, "warning")
-            t = b.Target(key, label, "ours", key.removeprefix("ours-"), router.url(), router.pid)
-            b._probe(t)
+            url, pid, stop = start(st, f"profile-{key}", over)
             say(f"bench: profiling our {label} ({secs:g} s)")
             load = fastengine.run_load(
-                t.url + "/v1/chat/completions",
-                b._body(False),
+                url + "/v1/chat/completions",
+                body,
                 CONCURRENCY,
                 secs + 2,
                 0.5,
@@ -192,14 +201,14 @@ def run(bench: Any, say: Callable[[str], None], keep: Path | None) -> list[dict[
                 bench.other_cpus,
             )
             try:
-                raw = record(spy, router.pid, secs, st.workdir / f"{key}.profile.txt")
+                raw = record(spy, pid, secs, st.workdir / f"{key}.profile.txt")
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 bench.notes.append(f"no profile of our {label}: {exc}")
                 raw = ""
             finally:
                 load.kill()
                 load.wait(10)
-            router.stop()
+            stop()
             if raw:
                 found += rows(key, label, raw)
                 if keep is not None:
