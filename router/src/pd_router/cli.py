@@ -147,7 +147,8 @@ def _metrics_proxy_main(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``pd-router`` and its subcommands: the router, and the two sidecars of an engine pod."""
     p = argparse.ArgumentParser(prog="pd-router", description="Prefill/decode router for vLLM")
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -196,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     m.add_argument("--port-file", help="write the bound port here once listening (tests)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.cmd == "notify-sidecar":
         return _sidecar_main(a)
     if a.cmd == "metrics-proxy":

@@ -499,6 +499,21 @@ def _validate_goodput(cfg: RouterConfig) -> None:
 
 
 def _validate(cfg: RouterConfig) -> None:
+    """Every field's bounds; each error names its field."""
+    _validate_listen(cfg)
+    if not cfg.model.served_name:
+        raise ConfigError("model.servedName: must not be empty")
+    _validate_tokenizer_hub(cfg.model)
+    _validate_routing(cfg)
+    _validate_goodput(cfg)
+    _validate_pools(cfg.pools)
+    _validate_lmcache(cfg.lmcache)
+    _validate_timeouts_and_health(cfg)
+    _validate_limits(cfg.limits)
+    _validate_tracing(cfg.tracing)
+
+
+def _validate_listen(cfg: RouterConfig) -> None:
     _check_port(cfg.listen.port, "listen.port", allow_zero=True)
     if not 0 <= cfg.listen.workers <= MAX_WORKERS:
         raise ConfigError(
@@ -515,9 +530,9 @@ def _validate(cfg: RouterConfig) -> None:
             "binds the notification socket); use notificationReceiver prefillSidecar to run "
             f"several, got {cfg.listen.workers}"
         )
-    if not cfg.model.served_name:
-        raise ConfigError("model.servedName: must not be empty")
-    _validate_tokenizer_hub(cfg.model)
+
+
+def _validate_routing(cfg: RouterConfig) -> None:
     if cfg.routing.threshold < 0:
         raise ConfigError(f"routing.threshold: must be >= 0, got {cfg.routing.threshold}")
     pc, pb = cfg.routing.prefix_cache, cfg.routing.prefill_busy
@@ -535,15 +550,17 @@ def _validate(cfg: RouterConfig) -> None:
         raise ConfigError(
             f"routing.prefillBusy.maxDecoderRequests: must be >= 1, got {pb.max_decoder_requests}"
         )
-    _validate_goodput(cfg)
     ke = cfg.routing.kv_events
     _check_port(ke.port, "routing.kvEvents.port", allow_zero=True)
     _check_port(ke.replay_port, "routing.kvEvents.replayPort", allow_zero=True)
     hdr = cfg.routing.session_affinity_header
     if hdr and not re.fullmatch(HEADER_NAME_RE, hdr):
         raise ConfigError(f"routing.sessionAffinityHeader: not a valid header name: {hdr!r}")
+
+
+def _validate_pools(pools: Pools) -> None:
     for pool_name in ("prefill", "decode"):
-        pool: Pool = getattr(cfg.pools, pool_name)
+        pool: Pool = getattr(pools, pool_name)
         base = f"pools.{pool_name}"
         for i, url in enumerate(pool.static):
             if not _URL_RE.match(url):
@@ -554,7 +571,9 @@ def _validate(cfg: RouterConfig) -> None:
             raise ConfigError(f"{base}.dns.name: must be set when discovery is dns")
         _check_port(pool.dns.port, f"{base}.dns.port")
         _positive(pool.dns.refresh_seconds, f"{base}.dns.refreshSeconds")
-    lm = cfg.lmcache
+
+
+def _validate_lmcache(lm: LMCache) -> None:
     _check_port(lm.notify_port, "lmcache.notifyPort")
     if lm.notifications_per_request < 1:
         raise ConfigError("lmcache.notificationsPerRequest: must be >= 1")
@@ -582,6 +601,9 @@ def _validate(cfg: RouterConfig) -> None:
                 f"lmcache.notifyTimeoutSeconds: must be <= {SIDECAR_MAX_TIMEOUT} with "
                 "notificationReceiver prefillSidecar"
             )
+
+
+def _validate_timeouts_and_health(cfg: RouterConfig) -> None:
     for f in dataclasses.fields(Timeouts):
         _positive(getattr(cfg.timeouts, f.name), f"timeouts.{_camel(f.name)}")
     h = cfg.health
@@ -597,7 +619,9 @@ def _validate(cfg: RouterConfig) -> None:
     for name in ("healthy_threshold", "unhealthy_threshold", "passive_failure_threshold"):
         if getattr(h, name) < 1:
             raise ConfigError(f"health.{_camel(name)}: must be >= 1")
-    li = cfg.limits
+
+
+def _validate_limits(li: Limits) -> None:
     if li.max_in_flight < 1:
         raise ConfigError("limits.maxInFlight: must be >= 1")
     if li.max_queued < 0:
@@ -605,7 +629,6 @@ def _validate(cfg: RouterConfig) -> None:
     _positive(li.queue_timeout_seconds, "limits.queueTimeoutSeconds")
     if li.max_body_bytes < MIN_MAX_BODY_BYTES:
         raise ConfigError(f"limits.maxBodyBytes: must be >= {MIN_MAX_BODY_BYTES}")
-    _validate_tracing(cfg.tracing)
 
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None) -> RouterConfig:

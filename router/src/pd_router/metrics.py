@@ -79,6 +79,15 @@ TRACE_SPAN_OUTCOMES = ("exported", "failed", "dropped")  # pd_router.tracing.Exp
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
+        self._declare_requests(r)
+        self._declare_decision(r)
+        self._declare_engines(r)
+        self._declare_admission(r)
+        self._declare_rest(r)
+        self._preset()
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """What each request was and took: route, outcome, TTFT, gaps, end to end, its prompt."""
         self.requests = Counter(
             "pd_router_requests", "Requests by route and outcome", ["route", "outcome"], registry=r
         )
@@ -123,6 +132,9 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",  # 1 only when every worker has it
         )
+
+    def _declare_decision(self, r: CollectorRegistry) -> None:
+        """The routing decision and the hand-off: reasons, prefix estimates, KV events, waits."""
         self.handoff_wait = Histogram(
             "pd_router_handoff_wait_seconds",
             "Prefill leg plus KV hand-off wait",
@@ -174,6 +186,9 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _declare_engines(self, r: CollectorRegistry) -> None:
+        """The engines as the router sees them: errors, fallbacks, retries, health, KV revisions."""
         self.upstream_errors = Counter(
             "pd_router_upstream_errors",
             "Upstream failures by pool and kind",
@@ -211,6 +226,9 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _declare_admission(self, r: CollectorRegistry) -> None:
+        """Admission and the client side: in flight, queued, refused, gone."""
         self.in_flight = Gauge(
             "pd_router_in_flight", "Requests being served", registry=r, multiprocess_mode="livesum"
         )
@@ -252,6 +270,9 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+    def _declare_rest(self, r: CollectorRegistry) -> None:
+        """Traces, the goodput decision's model, the other endpoints."""
         self.trace_spans = Counter(
             "pd_router_trace_spans",
             "Spans of sampled requests by what became of them (tracing): exported (the "
@@ -287,6 +308,8 @@ class Metrics:
             registry=r,
         )
 
+    def _preset(self) -> None:
+        """Every known label set at 0, so a series exists before its first event."""
         for route, outcome in ROUTES_OUTCOMES:
             self.requests.labels(route, outcome)
         for reason in FALLBACK_REASONS:
