@@ -33,7 +33,7 @@ from pd_router.config import ConfigError, RouterConfig
 from pd_router.costs import CostModel
 from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
-from pd_router.failures import UPSTREAM_ERRORS, TokenizeError
+from pd_router.failures import TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route, run
 from pd_router.http1 import Answer, BodyError, HttpServer, Request, Response, Routes
 from pd_router.kv_events import KvEventIndex
@@ -45,14 +45,13 @@ from pd_router.openai_wire import (
     PASSTHROUGH_PATHS,
     batch_reason,
     error_body,
-    model_card,
     model_not_found,
-    served_cards,
     strip_handoff_fields,
     too_deep,
     validate,
 )
 from pd_router.request import Ctx, Outcomes
+from pd_router.served import ServedModel
 from pd_router.tokens import TokenCounter, tokenizer_from_json
 from pd_router.upstream import UpstreamClient
 
@@ -60,10 +59,6 @@ log = logging.getLogger("pd_router")
 _ids = random.Random()  # request ids the router makes (not secrets: an id, not a key)
 _RID_RE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # fullmatch: "$" would admit a trailing newline
 _CTYPE_RE = re.compile(r"[\x21-\x7e][\x20-\x7e]{0,255}")  # a Content-Type relayed to an engine
-# How long an engine's /v1/models answer is reused, and how soon one is asked again after no
-# engine answered (a router asked before its first health checks passed recovers quickly).
-MODELS_TTL_SECONDS = 10.0
-MODELS_RETRY_SECONDS = 1.0
 
 
 def error_response(status: int, message: str, etype: str, headers: Any = None) -> Response:
@@ -80,20 +75,6 @@ class Router:
         self.cfg = cfg
         self.metrics = m = metrics or Metrics()
 
-        seen: dict[str, set[str]] = {"prefill": set(), "decode": set()}
-
-        def on_change(pool: EndpointPool) -> None:
-            m.healthy.labels(pool.name).set(len(pool.healthy))
-            m.endpoints.labels(pool.name).set(len(pool.endpoints))
-            live = revision.census(pool.healthy)
-            for rev in seen[pool.name] - live.keys():
-                m.kv_revisions.labels(pool.name, rev).set(
-                    0
-                )  # set, not removed: worker files keep it
-            for rev, n in live.items():
-                m.kv_revisions.labels(pool.name, rev).set(n)
-            seen[pool.name] |= live.keys()
-
         routing = cfg.routing
         # the engines' KV events (pd_router.kv_events): only the prefix decision reads them
         kv = (
@@ -106,35 +87,11 @@ class Router:
             if kv is not None
             else None
         )
-        watched: dict[str, tuple[str, Any]] = {}  # base -> (pool, (generation, source)) heard
-
-        def sync_events(pool: EndpointPool) -> None:
-            """Subscribe to each healthy engine that publishes, afresh for a new generation;
-            drop the others (an engine back from down is another generation anyway)."""
-            events = self.events
-            if events is None:
-                return
-            live = {}
-            for ep in pool.healthy:
-                if ep.events is not None:
-                    live[ep.base] = (ep.generation, ep.events)
-            for base in [b for b, (p, _) in watched.items() if p == pool.name and b not in live]:
-                del watched[base]
-                events.unwatch(base)
-            for ep in pool.healthy:
-                key = live.get(ep.base)
-                if key is None or watched.get(ep.base) == (pool.name, key):
-                    continue
-                watched[ep.base] = (pool.name, key)
-                cap = 0
-                if ep.cache is not None and ep.cache.capacity_tokens:
-                    cap = ep.cache.capacity_tokens // ep.cache.block_size
-                hybrid = ep.cache is not None and ep.cache.hybrid
-                events.watch(pool.name, ep.base, ep.generation, ep.events, cap, hybrid)
 
         def on_pool_change(pool: EndpointPool) -> None:
-            on_change(pool)
-            sync_events(pool)
+            m.pool_changed(pool.name, len(pool.healthy), len(pool.endpoints), pool.healthy)
+            if self.events is not None:
+                self.events.sync(pool.name, pool.healthy)
 
         self.decode = EndpointPool(
             "decode", cfg.pools.decode, cfg.health, on_pool_change, cfg.model.served_name, kv
@@ -162,8 +119,9 @@ class Router:
         self.admission = Admission(cfg.limits, m)
         self.outcomes = Outcomes(m)
         self.up = UpstreamClient(cfg.timeouts.connect_seconds)  # hot path
+        self.served_model = ServedModel(cfg.model.served_name)  # its cards, its context length
         self.legs = Legs(
-            cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, cfg.model.served_name
+            cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, self.served_model
         )
         # the goodput decision's cost model (pd_router.costs), learnt from the legs' calls
         self.costs = (
@@ -192,11 +150,6 @@ class Router:
             else None
         )
         self._bg: list[asyncio.Task[None]] = []
-        # /v1/models: the engines' cards of the served model, asked at most once a TTL
-        self._cards: list[dict[str, Any]] = []  # the last good answer
-        self._cards_ok = False  # whether the last ask got one
-        self._cards_at = -MODELS_TTL_SECONDS  # monotonic time of the last ask
-        self._cards_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     async def _load_hub_tokenizer(self) -> None:
@@ -341,58 +294,13 @@ class Router:
             headers={"x-pd-models-source": source},
         )
 
+    async def _model_cards(self) -> tuple[list[dict[str, Any]], str]:
+        engines = [e for p in self.pools for e in p.healthy]
+        return await self.served_model.cards(self.up, engines, self.cfg.health.timeout_seconds)
+
     def _with_revisions(self, card: dict[str, Any]) -> dict[str, Any]:
         live = {p.name: revision.census(p.healthy) for p in (self.prefill, self.decode)}
         return {**card, "kv_revisions": live}
-
-    async def _model_cards(self) -> tuple[list[dict[str, Any]], str]:
-        """The served model's cards and where they come from: ``engine`` (an engine's answer
-        of the last MODELS_TTL_SECONDS), ``stale`` (no engine answers now: the last answer
-        one gave), ``router`` (no engine ever answered: the router's own card, with the
-        context length learnt from /tokenize when known). Engines are asked again
-        MODELS_RETRY_SECONDS after an ask that got no card."""
-        if time.monotonic() - self._cards_at >= self._cards_ttl():
-            async with self._cards_lock:  # one ask at a time; the others reuse its answer
-                if time.monotonic() - self._cards_at >= self._cards_ttl():
-                    cards = await self._ask_cards()
-                    self._cards_at = time.monotonic()
-                    self._cards_ok = bool(cards)
-                    if cards:
-                        self._cards = cards
-        if self._cards_ok:
-            return self._cards, "engine"
-        if self._cards:
-            return self._cards, "stale"
-        return [model_card(self.served, self.legs.max_model_len, int(time.time()))], "router"
-
-    def _cards_ttl(self) -> float:
-        return MODELS_TTL_SECONDS if self._cards_ok else MODELS_RETRY_SECONDS
-
-    async def _ask_cards(self) -> list[dict[str, Any]]:
-        """``GET /v1/models`` of up to two healthy engines (decoders first), each within
-        ``health.timeoutSeconds``; [] when none answers with a card of the served model."""
-        t = self.cfg.health.timeout_seconds
-        for ep in [e for p in self.pools for e in p.healthy][:2]:
-            try:
-                async with asyncio.timeout(t):
-                    r = await self.up.get(ep.host, ep.port, ep.tls, "/v1/models", b"", t, t)
-                    raw = await r.read_release()
-                cards = served_cards(orjson.loads(raw), self.served) if r.status == 200 else []
-            except (*UPSTREAM_ERRORS, orjson.JSONDecodeError) as exc:
-                log.warning("GET %s/v1/models failed: %r", ep.base, exc)
-                continue
-            if cards:
-                mml = cards[0].get("max_model_len")
-                if type(mml) is int and mml > 0:  # what /tokenize would teach
-                    self.legs.max_model_len = mml
-                return cards
-            log.warning(
-                "GET %s/v1/models (%d) lists no model %r (model.servedName)",
-                ep.base,
-                r.status,
-                self.served,
-            )
-        return []
 
     async def not_found(self, request: Request, allow: str | None) -> Response:
         """No route: 405 with ``Allow`` when the path has one under another method (what

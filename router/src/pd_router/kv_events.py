@@ -61,7 +61,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
@@ -398,6 +398,15 @@ def identity_of(body: dict[str, Any], chat: bool, lora: str | None) -> Identity:
     return Identity(salt if isinstance(salt, str) else None, lora, ok)
 
 
+class Publisher(Protocol):
+    """An engine as :meth:`KvEventIndex.sync` reads it (pd_router.discovery.Endpoint)."""
+
+    base: str
+    generation: int
+    events: Source | None  # where it publishes, when it does
+    cache: Any  # pd_router.cache_info.CacheInfo | None: its blocks, for the index's capacity
+
+
 class KvEventIndex:
     """Every subscribed engine's blocks; ``held`` is what the decision reads."""
 
@@ -413,6 +422,8 @@ class KvEventIndex:
         self._wake: zmq.Socket[Any] | None = None
         self.batches = 0  # batches applied (tests wait on it through the metrics)
         self._counted: Callable[[str], None] = lambda outcome: None
+        # loop side: base -> (pool, (generation, source)) subscribed to (sync)
+        self._watched: dict[str, tuple[str, tuple[int, Source]]] = {}
 
     # ---------------------------------------------------------------- loop side
     def exact(self, base: str, generation: int) -> EngineBlocks | None:
@@ -456,6 +467,27 @@ class KvEventIndex:
 
     def unwatch(self, base: str) -> None:
         self._send("unwatch", base)
+
+    def sync(self, pool: str, healthy: Sequence[Publisher]) -> None:
+        """``pool``'s healthy engines changed: subscribe to each one that publishes, afresh
+        for a new generation; drop the others (an engine back from down is another generation
+        anyway)."""
+        live = {ep.base: (ep.generation, ep.events) for ep in healthy if ep.events is not None}
+        watched = self._watched
+        for base in [b for b, (p, _) in watched.items() if p == pool and b not in live]:
+            del watched[base]
+            self.unwatch(base)
+        for ep in healthy:
+            key = live.get(ep.base)
+            if key is None or watched.get(ep.base) == (pool, key):
+                continue
+            watched[ep.base] = (pool, key)
+            cap = 0
+            if ep.cache is not None and ep.cache.capacity_tokens:
+                cap = ep.cache.capacity_tokens // ep.cache.block_size
+            hybrid = ep.cache is not None and ep.cache.hybrid
+            assert ep.events is not None
+            self.watch(pool, ep.base, ep.generation, ep.events, cap, hybrid)
 
     def stop(self) -> None:
         if self._thread is None:

@@ -32,6 +32,7 @@ from pd_router.openai_wire import (
     tokenize_request,
 )
 from pd_router.request import Ctx, Fallback, Outcomes
+from pd_router.served import ServedModel
 from pd_router.tracing import CLIENT, Span, Trace
 from pd_router.upstream import Response, UpstreamClient
 
@@ -168,7 +169,7 @@ class Legs:
         prefill: EndpointPool,
         decode: EndpointPool,
         outcomes: Outcomes,
-        served: str,
+        model: ServedModel,
     ) -> None:
         self.t = timeouts
         self.up = up
@@ -177,12 +178,11 @@ class Legs:
         # pools.layout flexible: one pool in both roles (an engine never prefills for itself)
         self.flexible = prefill is decode
         self.outcomes = outcomes
-        self.served = served
+        self.model = model  # its context length, learnt from /tokenize too
+        self.served = model.name
         self.t_tokenize = min(30.0, timeouts.first_byte_seconds)
         # a streaming client that accepts nothing for this long is dropped
         self.stall = 2 * timeouts.stream_idle_seconds
-        # the engines' context length, learnt from /tokenize (LMCache decode-leg max_tokens)
-        self.max_model_len: int | None = None
 
     # ------------------------------------------------------------------ decoders
     async def open_decoder(
@@ -446,8 +446,7 @@ class Legs:
                 raise TokenizeError(f"/tokenize gave an unreadable answer: {exc!r}") from None
             if not isinstance(toks, list):
                 raise TokenizeError("/tokenize returned no token list")
-            if type(mml) is int and mml > 0:
-                self.max_model_len = mml
+            self.model.learn(mml)
             return toks
 
     # ------------------------------------------------------------------ to the client

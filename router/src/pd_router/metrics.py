@@ -10,11 +10,14 @@ its workers' values combine).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pd_router import revision
+from pd_router.discovery import Endpoint
 from pd_router.openai_wire import PASSTHROUGH_PATHS
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -79,6 +82,7 @@ TRACE_SPAN_OUTCOMES = ("exported", "failed", "dropped")  # pd_router.tracing.Exp
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
+        self._revisions: dict[str, set[str]] = {}  # pool -> every KV revision it has had
         self._declare_requests(r)
         self._declare_decision(r)
         self._declare_engines(r)
@@ -307,6 +311,21 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
+
+    def pool_changed(
+        self, pool: str, healthy: int, endpoints: int, engines: Sequence[Endpoint]
+    ) -> None:
+        """A pool's engines changed: its healthy and known counts, and its healthy engines by
+        KV revision (a revision gone is set to 0, not removed: worker files keep it)."""
+        self.healthy.labels(pool).set(healthy)
+        self.endpoints.labels(pool).set(endpoints)
+        live = revision.census(engines)
+        seen = self._revisions.setdefault(pool, set())
+        for rev in seen - live.keys():
+            self.kv_revisions.labels(pool, rev).set(0)
+        for rev, n in live.items():
+            self.kv_revisions.labels(pool, rev).set(n)
+        seen |= live.keys()
 
     def _preset(self) -> None:
         """Every known label set at 0, so a series exists before its first event."""

@@ -16,6 +16,7 @@ from pd_router.handoff.lmcache_notify import Ticket
 from pd_router.legs import ClientGone, Legs
 from pd_router.metrics import Metrics
 from pd_router.request import Ctx, Outcomes
+from pd_router.served import ServedModel
 
 
 class FakeResponse:
@@ -217,7 +218,7 @@ class World:
             self.prefill,
             self.decode,
             self.outcomes,
-            "m",  # type: ignore[arg-type]
+            ServedModel("m"),
         )
 
     def direct(self) -> AsApp:

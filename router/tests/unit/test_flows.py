@@ -418,7 +418,7 @@ def test_lmcache_client_leaving_at_the_first_chunk_releases_everything() -> None
 def test_lmcache_falls_back_before_any_prefill(body: dict[str, Any], ids: Any, reason: str) -> None:
     w, waiter = World(), FakeWaiter("ok")
     # an unknown context length sends the router to /tokenize (which learns it)
-    w.legs.max_model_len = None if ids is None else 4096
+    w.legs.model.max_model_len = None if ids is None else 4096
     w.up.on(P1, "/tokenize", FakeResponse(500, b"{}"))
     w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
     c = ctx(body)
@@ -447,7 +447,7 @@ def ids_answer(chat: bool, ids: Any, tok: int = 99, text: str = "A") -> FakeResp
 @pytest.mark.parametrize("chat", [False, True])
 def test_lmcache_learns_the_ids_from_the_prefill_leg_without_tokenize(chat: bool) -> None:
     w, waiter = World(), FakeWaiter("ok")
-    w.legs.max_model_len = 4096
+    w.legs.model.max_model_len = 4096
     path = "/v1/chat/completions" if chat else "/v1/completions"
     w.up.on(P1, path, ids_answer(chat, IDS))
     w.up.on(D1, "/v1/completions", FakeResponse(200, completion("BCD")))
@@ -472,7 +472,7 @@ def test_lmcache_learns_the_ids_from_the_prefill_leg_without_tokenize(chat: bool
 
 def test_lmcache_too_long_learnt_from_the_prefill_leg_is_decoded_unsplit() -> None:
     w, waiter = World(), FakeWaiter("ok")
-    w.legs.max_model_len = 100
+    w.legs.model.max_model_len = 100
     w.up.on(P1, "/v1/completions", ids_answer(False, list(range(98))))
     w.up.on(D1, "/v1/completions", FakeResponse(400, b'{"error":"too long"}'))
     down = FakeDownstream()
@@ -484,7 +484,7 @@ def test_lmcache_too_long_learnt_from_the_prefill_leg_is_decoded_unsplit() -> No
 
 def test_lmcache_prefill_answer_without_the_prompt_ids_is_a_bad_response() -> None:
     w, waiter = World(), FakeWaiter("ok")
-    w.legs.max_model_len = 4096
+    w.legs.model.max_model_len = 4096
     w.up.on(P1, "/v1/completions", ids_answer(False, None))
     w.up.on(D1, "/v1/completions", FakeResponse(200, completion("whole")))
     down = FakeDownstream()

@@ -287,7 +287,7 @@ class LMCacheRoute:
         dec, pre = chosen
         ctx.decoder = dec
         ids = ctx.ids
-        if ids is None and legs.max_model_len is not None:
+        if ids is None and legs.model.max_model_len is not None:
             # the prefill leg's answer gives the ids; the lengths are checked then
             return Plan(pre, dec, None, None, ctx.ptok)
         if ids is None:
@@ -301,7 +301,7 @@ class LMCacheRoute:
     def _lengths(self, ctx: Ctx, n_prompt: int) -> int:
         """The split request's total output length; raises :class:`Fallback` with why it is
         served unsplit."""
-        body, mml = ctx.body, self.legs.max_model_len
+        body, mml = ctx.body, self.legs.model.max_model_len
         mt = effective_max_tokens(body, ctx.chat, n_prompt, mml)
         if mt is None:
             raise Fallback("unknown_max_tokens")
