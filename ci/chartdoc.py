@@ -60,7 +60,7 @@ from ci import lib
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "pd-inference"
 # The router's own limits the chart must respect, generated from pd_router.config (make docs) and
-# read by templates/_validate.tpl, so the two cannot drift.
+# read by templates/validate/_router.tpl, so the two cannot drift.
 ROUTER_LIMITS = CHART / "files" / "router-limits.yaml"
 VALUES = CHART / "values.yaml"
 SCHEMA = CHART / "values.schema.json"
@@ -68,9 +68,9 @@ README = CHART / "README.md"
 TEMPLATES = CHART / "templates"
 LMCACHE_KEYS = ROOT / "ci" / "data" / "lmcache-0.5.6-config-keys.txt"
 # LMCache keys the chart owns (it renders them, or must never render them): not allowed in
-# extraConfig. One list, read by templates/_validate.tpl too.
+# extraConfig. One list, read by templates/validate/_handoff.tpl too.
 LMCACHE_CHART_OWNED_KEYS = CHART / "files" / "lmcache-chart-owned-keys.txt"
-# Values moved to another key: accepted by the schema only so that templates/_validate.tpl can
+# Values moved to another key: accepted by the schema only so that templates/validate/_values.tpl can
 # refuse them naming the new key (a schema error would only say "additional property").
 MOVED_VALUES = CHART / "files" / "moved-values.yaml"
 # kubernetes-validate's schemas of the oldest Kubernetes the chart supports (Chart.yaml kubeVersion)
@@ -107,7 +107,7 @@ QUANTITY = {"type": "string", "pattern": QUANTITY_PATTERN}
 K8S_QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 # A Kubernetes label value: at most 63 characters, alphanumeric at both ends, '-', '_', '.' inside.
 LABEL_VALUE = {"type": "string", "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"}
-# Shared types for `# @schema type=<name>`. Label keys are checked in templates/_validate.tpl (a
+# Shared types for `# @schema type=<name>`. Label keys are checked in templates/validate/_names.tpl (a
 # propertyNames error would not name the field).
 TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     "port": {"type": "integer", "minimum": 1, "maximum": 65535},
@@ -424,7 +424,7 @@ def build_schema(text: str | None = None) -> dict[str, Any]:
     for old, move in moved_values().items():
         if old in properties:
             raise ValuesError(None, f"`{old}` is in values.yaml and in files/moved-values.yaml")
-        # Any value: templates/_validate.tpl refuses it naming the new key.
+        # Any value: templates/validate/_values.tpl refuses it naming the new key.
         properties[old] = {"description": f"Moved to `{move['to']}` in chart {move['since']}; refused naming it."}
     refs = set(re.findall(r'"#/definitions/([^"]+)"', json.dumps(properties)))
     return {

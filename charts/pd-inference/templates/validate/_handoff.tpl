@@ -1,0 +1,108 @@
+{{/* The KV hand-off: the connector against the model and the layout, LMCache's notifications and keys, the KV buffer, the transport over EFA. Included by pd-inference.validate (templates/_validate.tpl), in its order. */}}
+
+{{- define "pd-inference.validate.model" -}}
+{{- $v := .Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- /*
+What the pinned vLLM can serve. LMCacheConnectorV1 does not implement vLLM's SupportsHMA (vLLM
+0.31.0 and 0.33.0: kv_connector/v1/lmcache_connector.py), so with a hybrid model vLLM turns the
+hybrid KV-cache manager off and the model fails at start-up or when a request finishes (the
+scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The real-engine tier
+(tests/engines/) checks both facts against the installed vLLM versions.
+*/ -}}
+{{- if and $lmcache (eq (include "pd-inference.hybridModel" .) "true") -}}
+{{- $why := ternary "model.attention is hybrid" "model.name is a hybrid model family (linear-attention or Mamba layers besides attention; set model.attention: full only if this model has attention in every layer)" (eq $v.model.attention "hybrid") -}}
+{{- fail (printf "kvTransfer.connector: lmcache cannot serve %s: %s, and vLLM's LMCacheConnectorV1 does not support hybrid KV-cache models (no SupportsHMA in vLLM %s); use kvTransfer.connector: nixl, or a full-attention model" $v.model.name $why (index .Chart.Annotations "pd-inference.io/checked-vllm" | replace "," ", ")) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-inference.validate.layout" -}}
+{{- $v := .Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- /* The flexible layout (engine.layout): one pool of decode engines, each NixlConnector kv_both. */ -}}
+{{- if include "pd-inference.flexible" . -}}
+{{- if $lmcache -}}
+{{- fail "kvTransfer.connector: lmcache cannot serve engine.layout flexible: an LMCache PD engine is a sender or a receiver (pd_role), never both, and a flexible engine takes either part; use kvTransfer.connector: nixl, or engine.layout: split" -}}
+{{- end -}}
+{{- if gt (int $v.prefill.replicas) 0 -}}
+{{- fail (printf "prefill.replicas: %d prefill engines with engine.layout flexible; set prefill.replicas: 0, every engine is a decode engine that also prefills (decode.replicas counts them)" (int $v.prefill.replicas)) -}}
+{{- end -}}
+{{- if $v.prefill.autoscaling.enabled -}}
+{{- fail "prefill.autoscaling.enabled: no prefill engine runs with engine.layout flexible (every engine is a decode engine that also prefills); autoscale the pool with decode.autoscaling instead" -}}
+{{- end -}}
+{{- /* NixlConnector's kv_both on a multi-node or data-parallel engine is not checked here (the
+real-engine tier runs one-node engines of one rank with it): refused until it is. */ -}}
+{{- if gt (int $v.decode.nodes) 1 -}}
+{{- fail (printf "decode.nodes: %d nodes per engine with engine.layout flexible; multi-node engines are not checked with NixlConnector kv_both, so set decode.nodes: 1 (or engine.layout: split)" (int $v.decode.nodes)) -}}
+{{- end -}}
+{{- if gt (int $v.decode.dataParallelSize) 1 -}}
+{{- fail (printf "decode.dataParallelSize: %d data-parallel ranks with engine.layout flexible; data-parallel engines are not checked with NixlConnector kv_both, so set decode.dataParallelSize: 1 (or engine.layout: split)" (int $v.decode.dataParallelSize)) -}}
+{{- end -}}
+{{- end -}}
+{{- /* The goodput decision names the prefiller and the decoder of each hand-off: NIXL only (pd_router.config). */ -}}
+{{- if and $lmcache (eq $v.router.decision "goodput") -}}
+{{- fail "router.decision: goodput needs kvTransfer.connector: nixl, as the router does (it names the prefiller and the decoder of each hand-off); use kvTransfer.connector: nixl, or router.decision: prefix or length" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-inference.validate.notifications" -}}
+{{- $v := .Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- /* One notification host in LMCache mode: several routers would miss each other's notifications. */ -}}
+{{- $single := eq (include "pd-inference.routerReceivesNotifications" .) "true" -}}
+{{- if and $single (gt (int $v.router.replicas) 1) -}}
+{{- fail (printf "router.replicas: %d router replicas need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router (pd_proxy_host)" (int $v.router.replicas)) -}}
+{{- end -}}
+{{- if lt (int $v.router.health.maxEjectionSeconds) (int $v.router.health.ejectionSeconds) -}}
+{{- fail (printf "router.health.maxEjectionSeconds: must be >= router.health.ejectionSeconds (%d), got %d" (int $v.router.health.ejectionSeconds) (int $v.router.health.maxEjectionSeconds)) -}}
+{{- end -}}
+{{- if and $single (gt (int $v.router.workers) 1) -}}
+{{- fail (printf "router.workers: %d worker processes need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router one process binds the notification socket" (int $v.router.workers)) -}}
+{{- end -}}
+{{- if and $single $v.router.autoscaling.enabled -}}
+{{- fail "router.autoscaling.enabled: router autoscaling needs kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router" -}}
+{{- end -}}
+{{- if and $lmcache (ne (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
+{{- fail (printf "decode.tensorParallelSize: LMCache PD sends one KV shard and one notification per TP rank, so prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d) must be equal" (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-inference.validate.kvBuffer" -}}
+{{- $v := .Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- /* KV buffer large enough for one max-length request (pd-protocols.md section 4). */ -}}
+{{- $shape := $v.model.kvShape -}}
+{{- if gt (int $shape.layers) 0 -}}
+{{- range $f := list "kvHeads" "headDim" "bytesPerElement" -}}
+{{- if le (int (get $shape $f)) 0 -}}
+{{- fail (printf "model.kvShape.%s: must be > 0 when model.kvShape.layers is set" $f) -}}
+{{- end -}}
+{{- end -}}
+{{- if $lmcache -}}
+{{- $need := include "pd-inference.kvBytesPerRequest" . | int64 -}}
+{{- if lt (int64 $v.kvTransfer.lmcache.bufferSize) $need -}}
+{{- fail (printf "kvTransfer.lmcache.bufferSize: %d bytes per worker cannot hold one TP rank's share of the KV of a %d-token request (%d bytes for model.kvShape at tensorParallelSize %d)" (int64 $v.kvTransfer.lmcache.bufferSize) (int $v.model.maxModelLen) $need (int $v.decode.tensorParallelSize)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* LMCache keys the chart owns cannot be overridden through extraConfig. */ -}}
+{{- range $line := .Files.Lines "files/lmcache-chart-owned-keys.txt" -}}
+{{- $key := trim $line -}}
+{{- if and $key (not (hasPrefix "#" $key)) (hasKey $v.kvTransfer.lmcache.extraConfig $key) -}}
+{{- fail (printf "kvTransfer.lmcache.extraConfig.%s: this LMCache key is set by the chart; use the matching kvTransfer/ports value instead" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pd-inference.validate.kvOverEfa" -}}
+{{- $v := .Values -}}
+{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- /* KV transfer over EFA: UCX has no EFA transport (NIXL's LIBFABRIC backend drives EFA). */ -}}
+{{- if and $v.efa.enabled (eq $v.kvTransfer.backend "UCX") -}}
+{{- fail "kvTransfer.backend: UCX cannot use EFA devices (UCX has no EFA transport); use LIBFABRIC, or auto (LIBFABRIC with EFA), or turn efa.enabled off" -}}
+{{- end -}}
+{{- if and $lmcache (gt (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
+{{- fail (printf "kvTransfer.lmcache.chunkSize: %d tokens per chunk is above model.maxModelLen (%d): no request would fill a chunk" (int $v.kvTransfer.lmcache.chunkSize) (int $v.model.maxModelLen)) -}}
+{{- end -}}
+{{- end -}}
