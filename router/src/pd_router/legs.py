@@ -184,6 +184,24 @@ class Legs:
         # a streaming client that accepts nothing for this long is dropped
         self.stall = 2 * timeouts.stream_idle_seconds
 
+    # ------------------------------------------------------------------ the pair
+    def pair(self, ctx: Ctx, preferred: Endpoint | None = None) -> tuple[Endpoint, Endpoint]:
+        """The decoder and the prefiller of a hand-off (balancing.pair: one KV revision, the
+        decision's decoder first, then ``preferred`` as prefiller); sets ``ctx.decoder``.
+        Raises :class:`Fallback` (``no_prefiller``, ``no_revision_pair``) while the request
+        can still be served whole, :class:`LegError` when no decoder is healthy."""
+        prefillers = self.prefill_pool.healthy
+        if not prefillers or (self.flexible and len(prefillers) < 2):
+            raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
+        decoders = self.decode_pool.healthy
+        chosen = balancing.pair(decoders, prefillers, ctx.decoder, ctx.affinity, preferred)
+        if chosen is None:
+            if not decoders:
+                raise LegError.no_decoder()
+            raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
+        ctx.decoder = chosen[0]
+        return chosen
+
     # ------------------------------------------------------------------ decoders
     async def open_decoder(
         self,

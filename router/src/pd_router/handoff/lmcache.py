@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from pd_router import balancing, revision
+from pd_router import revision
 from pd_router.config import LMCache
 from pd_router.discovery import Endpoint
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
@@ -275,17 +275,7 @@ class LMCacheRoute:
             raise Fallback("unsupported_fields")
         if ctx.chat and self.reasoning:
             raise Fallback("reasoning_parser")
-        if not legs.prefill_pool.healthy:
-            raise Fallback("no_prefiller")
-        chosen = balancing.pair(
-            legs.decode_pool.healthy, legs.prefill_pool.healthy, ctx.decoder, ctx.affinity
-        )
-        if chosen is None:
-            if ctx.decoder is None and not legs.decode_pool.healthy:
-                raise LegError.no_decoder()
-            raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
-        dec, pre = chosen
-        ctx.decoder = dec
+        dec, pre = legs.pair(ctx)  # the prefiller by load and revision (none preferred here)
         ids = ctx.ids
         if ids is None and legs.model.max_model_len is not None:
             # the prefill leg's answer gives the ids; the lengths are checked then

@@ -18,8 +18,7 @@ from typing import Any
 
 import orjson
 
-from pd_router import balancing, revision
-from pd_router.failures import LegError
+from pd_router import revision
 from pd_router.handoff.direct import DirectRoute
 from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
@@ -82,20 +81,9 @@ class NixlRoute:
         if min_tokens_above(body, requested_max_tokens(body, ctx.chat)):
             # invalid as sent (vLLM answers 400): no prefill for it
             raise Fallback("unsupported_fields")
-        prefillers = legs.prefill_pool.healthy
-        if not prefillers or (legs.flexible and len(prefillers) < 2):
-            raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
-        chosen = balancing.pair(
-            legs.decode_pool.healthy, prefillers, ctx.decoder, ctx.affinity, ctx.prefiller
-        )
-        if chosen is None:
-            if not legs.decode_pool.healthy:
-                raise LegError.no_decoder()
-            raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
         # (the prefix index was told of the decision's decoder; another one is chosen only
         # while both roles roll, or when the decision's engine left the pool)
-        dec, ep = chosen
-        ctx.decoder = dec
+        dec, ep = legs.pair(ctx, ctx.prefiller)
         ctx.route = DISAGG
         t0 = time.perf_counter()
         # prefiller load: the prompt length as the decision saw it, else bytes / 4
