@@ -347,7 +347,7 @@ class Router:
                 resp.headers.setdefault("x-request-id", rid)
             return resp
         except asyncio.CancelledError:
-            self.outcomes.disconnect(ctx)
+            ctx.client_gone()
             status = 499
             raise
         finally:  # the one place a request is counted, timed and logged, however it ended
@@ -420,7 +420,7 @@ class Router:
                 return bad
             if passthrough:
                 self.metrics.passthrough.labels(ctx.path).inc()
-                return await self.direct.passthrough(ctx, Downstream(request))
+                return await self.direct.passthrough(ctx, Downstream(request, ctx))
             return await self._route(request, ctx)
         finally:
             self.admission.release()
@@ -536,7 +536,7 @@ class Router:
         if tr is not None:
             self._trace_decision(ctx, d)
         ctx.decided = True
-        return await run(route, self.direct, ctx, Downstream(request))
+        return await run(route, self.direct, ctx, Downstream(request, ctx))
 
     def _trace_decision(self, ctx: Ctx, d: Any) -> None:
         tr = ctx.trace

@@ -47,12 +47,15 @@ class ClientGone(Exception):
 
 class Downstream:
     """The client side of one request. Routes answer through it, never through the server
-    directly: ``reply`` (a whole answer) or ``open_stream`` / ``write`` / ``end`` (SSE)."""
+    directly: ``reply`` (a whole answer) or ``open_stream`` / ``write`` / ``end`` (SSE). What
+    reached the client is recorded on the request as it goes (``Ctx.replied``, ...): the one
+    place its outcome comes from."""
 
-    __slots__ = ("_request", "response")
+    __slots__ = ("_request", "ctx", "response")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, ctx: Ctx) -> None:
         self._request = request
+        self.ctx = ctx
         self.response: Answer | None = None
 
     @property
@@ -68,6 +71,7 @@ class Downstream:
             )
         else:
             self.response = http1.Response(status=status, body=body, headers=headers)
+        self.ctx.replied(status)
         return self.response
 
     def error(
@@ -81,6 +85,7 @@ class Downstream:
         try:
             await out.prepare(self._request)
         except ConnectionError:
+            self.ctx.client_gone()
             raise ClientGone from None
 
     async def write(self, data: bytes) -> None:
@@ -88,14 +93,16 @@ class Downstream:
         try:
             await self.response.write(data)
         except ConnectionError:
+            self.ctx.client_gone()
             raise ClientGone from None
 
     async def end(self) -> None:
+        """The stream's end. Every byte of the answer is written by then: a client gone before
+        the end marker is not a disconnect (the openai client closes on ``data: [DONE]``)."""
         assert self.response is not None
-        try:
+        with contextlib.suppress(ConnectionError):
             await self.response.write_eof()
-        except ConnectionError:
-            raise ClientGone from None
+        self.ctx.stream_ended()
 
     async def stream_error(
         self, message: str, etype: str = "upstream_error", code: int = 502
@@ -105,6 +112,11 @@ class Downstream:
         with contextlib.suppress(ConnectionError, RuntimeError):
             await self.response.write(sse_error(message, etype, code))
             await self.response.write_eof()
+        self.ctx.stream_failed()
+
+    def gone(self) -> None:
+        """The client stopped reading (a stream's progress guard fired)."""
+        self.ctx.client_gone()
 
 
 def leg_span(ctx: Ctx, name: str, ep: Endpoint, path: str) -> Span | None:
@@ -470,7 +482,6 @@ class Legs:
     # ------------------------------------------------------------------ to the client
     def fail(self, ctx: Ctx, down: Downstream, err: LegError) -> Answer:
         """The answer when no engine could serve: the engine's own JSON 5xx if it sent one."""
-        self.outcomes.failed(ctx)
         hdrs = ctx.reply_headers()
         if err.body is not None and err.ctype.startswith(JSON):
             return down.reply(err.status, err.body, hdrs, JSON)
@@ -509,7 +520,6 @@ class Legs:
                 await down.open_stream(hdrs)
             except ClientGone:
                 resp.close()  # the engine aborts the request
-                self.outcomes.disconnect(ctx)
                 assert down.response is not None
                 return down.response
             except BaseException:
@@ -523,7 +533,6 @@ class Legs:
             self.outcomes.upstream("decode", err.kind)
             self.decode_pool.report_failure(ep)
             return self.fail(ctx, down, err)
-        self.outcomes.answered(ctx, "ok" if resp.status < 400 else "client_error")
         return down.reply(resp.status, data, hdrs)
 
     async def pump(
@@ -571,23 +580,17 @@ class Legs:
                             guard.reschedule(tick + stall + slack)
                             move_at = tick + slack
             except ClientGone:
-                out.disconnect(ctx)
                 return down.response
             except UPSTREAM_ERRORS:
                 if guard is not None and guard.expired():
-                    out.disconnect(ctx)
+                    down.gone()
                     return down.response
                 out.upstream("decode", "stream")
                 self.decode_pool.report_failure(ep)
                 await down.stream_error("upstream stream failed")
-                out.failed(ctx)
                 ok = True
                 return down.response
-            # Every byte of the answer is written. A client gone before the stream's end
-            # marker is not a disconnect: the openai client closes on `data: [DONE]`.
-            with contextlib.suppress(ClientGone):
-                await down.end()
-            out.finished(ctx)
+            await down.end()
             ok = True
             return down.response
         finally:

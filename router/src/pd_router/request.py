@@ -128,6 +128,28 @@ class Ctx:
         self.job: Job | None = None
         self.t_decided = 0.0
 
+    # -------------------------------------------------- what the client got (legs.Downstream)
+    # The outcome follows from what reached the client, recorded by the Downstream that sent
+    # it, never by a route's exit: a route answers, and this says how that went.
+    def replied(self, status: int) -> None:
+        """A whole answer of ``status``: its first token and its end arrive together."""
+        if status < 400:
+            self.outcome = "ok"
+            self.t_first = self.t_end = time.perf_counter()
+        else:
+            self.outcome = "client_error" if status < 500 else "upstream_error"
+
+    def stream_ended(self) -> None:
+        self.outcome = "ok"
+        self.t_end = time.perf_counter()
+
+    def stream_failed(self) -> None:
+        """An error event ended a stream whose 200 was sent."""
+        self.outcome = "upstream_error"
+
+    def client_gone(self) -> None:
+        self.outcome = "client_disconnect"
+
     def reply_headers(self) -> dict[str, str]:
         h = {"x-pd-route": self.route, "x-pd-reason": self.reason, "x-request-id": self.rid}
         if self.revision:
@@ -156,28 +178,9 @@ class Outcomes:
         self._wait = {c: m.handoff_wait.labels(c) for c in ("nixl", "lmcache")}
 
     # ------------------------------------------------------------------ how it ended
-    def answered(self, ctx: Ctx, outcome: str = "ok") -> None:
-        """A whole (non-streamed) answer: its first token and its end arrive together."""
-        ctx.outcome = outcome
-        if outcome == "ok":
-            ctx.t_first = ctx.t_end = time.perf_counter()
-
     def first_token(self, ctx: Ctx) -> None:
         """A stream's first token reached the client."""
         ctx.t_first = time.perf_counter()
-
-    def finished(self, ctx: Ctx) -> None:
-        """A stream ended well."""
-        ctx.outcome = "ok"
-        ctx.t_end = time.perf_counter()
-
-    def failed(self, ctx: Ctx, outcome: str = "upstream_error") -> None:
-        """No engine could serve it (``upstream_error``), or an engine refused it
-        (``client_error``)."""
-        ctx.outcome = outcome
-
-    def disconnect(self, ctx: Ctx) -> None:
-        ctx.outcome = "client_disconnect"
 
     def refused(self, ctx: Ctx, outcome: str) -> None:
         """The router answered it itself before routing (unauthorized, rejected, ...)."""
@@ -186,15 +189,17 @@ class Outcomes:
 
     def finish(self, ctx: Ctx) -> None:
         """Count ``ctx`` once, where it ends: its route and outcome, time to first token and
-        end to end, its routing decision."""
-        if ctx.outcome:
-            key = (ctx.route, ctx.outcome)
-            c = self._requests.get(key)
-            if c is None:
-                c = self._requests[key] = self.metrics.requests.labels(*key)
-            c.inc()
-            if ctx.outcome == "client_disconnect":
-                self.metrics.client_disconnects.inc()
+        end to end, its routing decision. A request that ended with nothing recorded (an
+        exception no route caught: the server answered 500) is ``internal_error``."""
+        if not ctx.outcome:
+            ctx.outcome = "internal_error"
+        key = (ctx.route, ctx.outcome)
+        c = self._requests.get(key)
+        if c is None:
+            c = self._requests[key] = self.metrics.requests.labels(*key)
+        c.inc()
+        if ctx.outcome == "client_disconnect":
+            self.metrics.client_disconnects.inc()
         hist = self._hist.get(ctx.route)
         if hist is not None:
             if ctx.t_first:

@@ -111,7 +111,8 @@ class FakeUpstream:
 
 
 class FakeDownstream:
-    """Records what the client would have received."""
+    """Records what the client would have received, and tells the request as
+    legs.Downstream does (``ctx`` is bound by :class:`AsApp`, or by the test)."""
 
     def __init__(self, gone_after: int | None = None, gone_at_end: bool = False) -> None:
         self.status: int | None = None
@@ -122,6 +123,7 @@ class FakeDownstream:
         self.gone_after = gone_after  # writes accepted before the client leaves
         self.gone_at_end = gone_at_end  # the client leaves after the last byte, before the end
         self.response: Any = None
+        self.ctx: Ctx | None = None
         self._streaming = False
 
     @property
@@ -131,6 +133,8 @@ class FakeDownstream:
     def reply(self, status: int, body: bytes, headers: dict[str, str], ctype: str | None = None):
         self.status, self.body, self.headers = status, body, headers
         self.response = self
+        assert self.ctx is not None
+        self.ctx.replied(status)
         return self
 
     def error(self, status: int, message: str, etype: str, headers: dict[str, str] | None = None):
@@ -141,18 +145,26 @@ class FakeDownstream:
         self.status, self.headers, self._streaming, self.response = 200, headers, True, self
 
     async def write(self, data: bytes) -> None:
+        assert self.ctx is not None
         if self.gone_after is not None and len(self.events) >= self.gone_after:
+            self.ctx.client_gone()
             raise ClientGone
         self.events.append(data)
 
     async def end(self) -> None:
-        if self.gone_at_end:
-            raise ClientGone
-        self.ended = True
+        assert self.ctx is not None
+        self.ended = not self.gone_at_end  # the end marker lost: the answer is whole anyway
+        self.ctx.stream_ended()
 
     async def stream_error(self, message: str, etype: str = "upstream_error", code: int = 502):
         self.events.append(b"error: " + message.encode())
         self.ended = True
+        assert self.ctx is not None
+        self.ctx.stream_failed()
+
+    def gone(self) -> None:
+        assert self.ctx is not None
+        self.ctx.client_gone()
 
     def json(self) -> Any:
         return orjson.loads(self.body)
@@ -251,12 +263,14 @@ class AsApp:
         self.world, self.route, self.direct = world, route, direct
 
     async def serve(self, c: Ctx, down: Any) -> Any:
+        down.ctx = c  # as the app builds its Downstream(request, ctx)
         try:
             return await handoff.run(self.route, self.direct, c, down)
         finally:
             self.world.outcomes.finish(c)
 
     async def passthrough(self, c: Ctx, down: Any) -> Any:
+        down.ctx = c
         try:
             return await self.direct.passthrough(c, down)
         finally:

@@ -19,6 +19,8 @@ from pd_router.handoff.direct import DirectRoute
 from pd_router.handoff.lmcache import LMCacheRoute
 from pd_router.handoff.nixl import PREFILL_PARAMS, NixlRoute
 from pd_router.lease import Lease
+from pd_router.legs import ClientGone, Downstream
+from pd_router.request import Ctx
 
 P1, D1, D2 = 9001, 9101, 9102
 KVP = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
@@ -512,3 +514,69 @@ def test_leg_errors_say_what_the_client_gets() -> None:
     assert (LegError.of(OSError(), "stream").kind, LegError.of(OSError()).status) == ("stream", 502)
     assert LegError.no_decoder().status == 503
     assert orjson.loads(b"{}") == {}
+
+
+# ---------------------------------------------------------------------- how a request ended
+class _Sent:
+    """The server's response object under a Downstream: ``fail`` names the call that finds
+    the client gone."""
+
+    prepared = True
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+
+    async def write(self, data: bytes) -> None:
+        if self.fail == "write":
+            raise ConnectionResetError
+
+    async def write_eof(self) -> None:
+        if self.fail in ("write", "eof"):
+            raise ConnectionResetError
+
+
+@pytest.mark.parametrize(
+    ("fail", "outcome"),
+    [("", "ok"), ("eof", "ok"), ("write", "client_disconnect")],
+)
+def test_the_downstream_records_how_a_stream_ended(fail: str, outcome: str) -> None:
+    """The one place an outcome comes from: a client gone after the last byte, before the end
+    marker (the openai client closes on [DONE]), still got the whole answer."""
+
+    c = ctx({"prompt": "hi", "stream": True})
+    down = Downstream(None, c)  # type: ignore[arg-type]
+    down.response = _Sent(fail)  # type: ignore[assignment]
+
+    async def stream() -> None:
+        try:
+            await down.write(b"data: {}\n\ndata: [DONE]\n\n")
+            await down.end()
+        except ClientGone:
+            pass
+
+    run(stream())
+    assert c.outcome == outcome
+    assert (c.t_end > 0) == (outcome == "ok")
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"), [(200, "ok"), (400, "client_error"), (503, "upstream_error")]
+)
+def test_a_whole_answer_is_judged_by_its_status(status: int, outcome: str) -> None:
+
+    c = ctx({"prompt": "hi"})
+    Downstream(None, c).reply(status, b"{}", {})  # type: ignore[arg-type]
+    assert c.outcome == outcome and (c.t_first > 0) == (status < 400)
+
+
+def test_a_request_that_ended_with_nothing_recorded_is_counted_as_an_internal_error() -> None:
+    w = World()
+
+    class Broken:
+        async def serve(self, c: Ctx, down: Any) -> Any:
+            raise RuntimeError("a router bug")
+
+    c = ctx({"prompt": "hi"})
+    with pytest.raises(RuntimeError):
+        run(AsApp(w, Broken(), w.direct().direct).serve(c, FakeDownstream()))
+    assert w.sample("pd_router_requests_total", route="direct", outcome="internal_error") == 1

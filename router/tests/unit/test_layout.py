@@ -130,3 +130,26 @@ def test_only_the_finishing_place_counts_requests() -> None:
         "metrics.py:Metrics._preset",
         "request.py:Outcomes.finish",
     }, writers
+
+
+def test_a_requests_outcome_is_recorded_by_the_downstream_alone() -> None:
+    """No route's exit marks its own outcome: what reached the client is recorded by
+    legs.Downstream (and, for a client gone before any answer, by the app)."""
+    marks = {"replied", "stream_ended", "stream_failed", "client_gone"}
+    callers = set()
+    for f, tree in _modules():
+        for cls in [tree, *[n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]]:
+            prefix = f"{cls.name}." if isinstance(cls, ast.ClassDef) else ""
+            for fn in cls.body:
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for n in ast.walk(fn):
+                    call = isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                    if call and n.func.attr in marks:  # type: ignore[attr-defined]
+                        callers.add(f"{f.relative_to(RUNTIME).as_posix()}:{prefix}{fn.name}")
+    assert {c.split(":")[1].split(".")[0] for c in callers if c.startswith("legs.py")} == {
+        "Downstream"
+    }, callers
+    assert {c for c in callers if not c.startswith("legs.py:Downstream.")} == {
+        "app.py:Router._handle"
+    }, callers

@@ -28,6 +28,7 @@ a decoder other than the one that may hold a partial KV.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -329,7 +330,6 @@ class LMCacheRoute:
                     self._first_events(ctx, sid, created, first, done_after_first, len(first.ids))
                 )
             except ClientGone:
-                legs.outcomes.disconnect(ctx)
                 assert down.response is not None
                 return down.response
             legs.outcomes.first_token(ctx)
@@ -459,14 +459,12 @@ class LMCacheRoute:
             if not down.streaming:
                 return legs.fail(ctx, down, err)
             await down.stream_error("no decoder could continue the stream")
-            legs.outcomes.failed(ctx)
             assert down.response is not None
             return down.response
         if resp.status != 200 and down.streaming:
             etype, emsg = await legs.error_detail(resp)
             msg = f"decoder answered {resp.status}" + (f": {emsg}" if emsg else "")
             await down.stream_error(msg, etype or "upstream_error", resp.status)
-            legs.outcomes.failed(ctx)
             assert down.response is not None
             return down.response
         if not down.streaming:
@@ -479,7 +477,6 @@ class LMCacheRoute:
     ) -> Answer:
         """The answer was the prefiller's one token (it stopped, or one was asked for): the
         prefill leg's answer is the template (its usage counts the prompt and that token)."""
-        out = self.legs.outcomes
         usage = first.leg.get("usage")
         if not isinstance(usage, dict):
             usage = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + 1}
@@ -497,19 +494,14 @@ class LMCacheRoute:
                 )
                 tail = b"data: " + orjson.dumps(last) + b"\n\n" + tail
             assert down.response is not None
-            try:
+            with contextlib.suppress(ClientGone):  # the Downstream records which
                 await down.write(tail)
                 await down.end()
-            except ClientGone:
-                out.disconnect(ctx)
-                return down.response
-            out.finished(ctx)
             return down.response
         leg = {**first.leg, "created": created}
         if not leg["choices"][0].get("finish_reason"):
             leg["choices"] = [{**leg["choices"][0], "finish_reason": "length"}]
         whole = whole_answer(ctx.chat, sid, self.legs.served, leg, first.text, usage)
-        out.finished(ctx)
         return down.reply(200, orjson.dumps(whole), ctx.reply_headers(), JSON)
 
     async def _whole(
@@ -523,7 +515,6 @@ class LMCacheRoute:
             out.upstream("decode", "stream")
             return legs.fail(ctx, down, LegError("stream", 502))
         if resp.status != 200:
-            out.failed(ctx, "client_error")
             return down.reply(resp.status, raw, ctx.reply_headers(), JSON)
         try:
             d = orjson.loads(raw)
@@ -534,7 +525,6 @@ class LMCacheRoute:
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             out.upstream("decode", "bad_response")
             return legs.fail(ctx, down, LegError("bad_response", 502))
-        out.answered(ctx)
         return down.reply(200, orjson.dumps(whole), ctx.reply_headers(), JSON)
 
     async def _stream(
