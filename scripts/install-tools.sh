@@ -145,6 +145,9 @@ for part in "${parts[@]}"; do
       ;;
     otelcol)
       install_otelcol
+      # next to the virtualenv's interpreter, where pd_router_dev.otelcol finds it (as it finds
+      # vllm-router): the dev package reads no pin file; this link follows the pin
+      if [ -d .venv/bin ]; then ln -sfn "$PWD/$OTELCOL_DIR/otelcol-pd" .venv/bin/otelcol-pd; fi
       echo "install-tools: $("$OTELCOL_DIR/otelcol-pd" --version) at $OTELCOL_DIR/otelcol-pd"
       ;;
     llm-d-sim) install_llm_d_sim ;;

@@ -153,3 +153,14 @@ def test_a_requests_outcome_is_recorded_by_the_downstream_alone() -> None:
     assert {c for c in callers if not c.startswith("legs.py:Downstream.")} == {
         "app.py:Router._handle"
     }, callers
+
+
+def test_the_dev_package_reaches_no_other_folder_by_path() -> None:
+    """router/dev is a package of its own: it imports nothing from ci/ or tests/ and puts no
+    folder on sys.path (what it needs, a tool's path, is given to it: otelcol.binary)."""
+    dev = ROUTER / "dev" / "src"
+    for f in sorted(dev.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        bad = [i for i in _imports(tree) if i.split(".")[0] in ("ci", "tests")]
+        assert not bad, (f.name, bad)
+        assert "sys.path" not in f.read_text(), f.name

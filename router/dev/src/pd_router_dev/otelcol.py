@@ -14,6 +14,7 @@ it, not as our own code would.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,16 +28,13 @@ READY_SECONDS = 60
 
 
 def binary() -> Path:
-    """The collector's path (scripts/tools.env OTELCOL_DIR, read by ci/lib.py, the one reader
-    of that file), when run from a checkout."""
-    root = Path(__file__).resolve().parents[4]
-    if not (root / "scripts" / "tools.env").exists():
-        raise RuntimeError(f"{root} is not a pd-inference checkout: no scripts/tools.env")
-    if str(root) not in sys.path:
-        sys.path.append(str(root))
-    from ci import lib
-
-    return Path(lib.OTELCOL)
+    """The collector built by ``scripts/install-tools.sh otelcol`` (``make tools``), linked
+    next to this interpreter (the build's folder is pinned in scripts/tools.env, which this
+    package does not read); ``PD_OTELCOL`` names another."""
+    named = os.environ.get("PD_OTELCOL")
+    if named:
+        return Path(named)
+    return Path(sys.executable).with_name("otelcol-pd")
 
 
 class Collector:
