@@ -20,6 +20,7 @@ from router_testlib import (
     long_text,
     metric_value,
     set_fault,
+    wait_until,
     write_config,
 )
 
@@ -67,12 +68,20 @@ def _reset(fx: Flex) -> Iterator[None]:
         set_fault(e, "none")
 
 
-def _access_lines(router: Proc) -> dict[str, dict[str, Any]]:
-    out = {}
-    for line in router.log.read_text().splitlines():
-        if '"msg":"request"' in line:
-            rec = json.loads(line)
-            out[rec["request_id"]] = rec
+def _access_lines(router: Proc, *rids: str) -> dict[str, dict[str, Any]]:
+    """The router's access lines by request id, once those of ``rids`` are written (a line is
+    written when its request ends in the router, which may be after the client read the last
+    byte)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def read() -> bool:
+        for line in router.log.read_text().splitlines():
+            if '"msg":"request"' in line:
+                rec = json.loads(line)
+                out[rec["request_id"]] = rec
+        return all(r in out for r in rids)
+
+    wait_until(read, f"the access lines of {', '.join(rids)}")
     return out
 
 
@@ -92,7 +101,7 @@ def test_a_split_in_a_flexible_pool_uses_two_engines_and_never_hands_one_its_own
             extra_headers={"X-Request-Id": f"split-{i}"},
         )
         assert raw.headers["x-pd-route"] == "disaggregated"
-    lines = _access_lines(router)
+    lines = _access_lines(router, *(f"split-{i}" for i in range(6)))
     for i in range(6):
         rec = lines[f"split-{i}"]
         assert rec["engine"] and rec["prefiller"] and rec["engine"] != rec["prefiller"], rec
@@ -106,7 +115,7 @@ def test_a_split_in_a_flexible_pool_uses_two_engines_and_never_hands_one_its_own
     )
     assert (raw.headers["x-pd-route"], raw.headers["x-pd-reason"]) == ("fallback", "decode_retry")
     assert raw.parse().choices[0].message.content
-    rec = _access_lines(router)["own-kv"]
+    rec = _access_lines(router, "own-kv")["own-kv"]
     assert rec["engine"] == rec["prefiller"]  # the prefiller served it in the end...
     for i in range(len(fx.engines)):  # ...never with its own KV to pull
         for r in fx.requests(i):
@@ -140,7 +149,7 @@ def test_the_goodput_decision_explains_itself_and_exports_its_error(fx: Flex) ->
         assert set(predicted) == {"ttft_ms", "itl_ms", "misses"}
         assert float(predicted["ttft_ms"]) > 0
         assert list(r.iter_lines())
-    rec = _access_lines(router)["gp-short"]
+    rec = _access_lines(router, "gp-short")["gp-short"]
     assert rec["engine"] in {e.url() for e in fx.engines} and rec["prefiller"] == ""
     n = metric_value(router.url(), "pd_router_ttft_prediction_ratio_count", {"route": "direct"})
     assert n == 1

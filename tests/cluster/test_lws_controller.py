@@ -123,7 +123,12 @@ def test_a_group_runs_on_p5_nodes_and_is_recreated_whole(cluster: ControlPlane, 
             return now
         return None
 
-    after = cluster.wait_until("the whole group recreated", recreated)
+    # a longer hang guard than a start's: once (of many runs) the recreation outlasted 120 s
+    # while the other pytest worker ran real engines; the diagnosis says where it stood
+    try:
+        after = cluster.wait_until("the whole group recreated", recreated, deadline_s=300)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{cluster.diagnose(ns)}") from None
     assert sorted(after) == ["smoke-0", "smoke-0-1"], cluster.diagnose(ns)
 
 
