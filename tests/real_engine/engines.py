@@ -37,6 +37,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -47,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_router_dev.devstack import free_port  # one for the tier and the dev stack
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engines import rendered, stack
@@ -91,6 +91,27 @@ def model(kind: str, weights: int = 0) -> Path:
             made = stack.run("tiny_model.py", req, timeout=600)
             (out / ".done").write_text(json.dumps(made))
     return out
+
+
+_ports = random.Random()
+
+
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range: a port the kernel hands out (bind to 0)
+    may meanwhile become some outgoing connection's source port, and an engine binding it later
+    fails (seen: NIXL's handshake listener, "Address already in use", and the engine hangs)."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = _ports.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low}")
 
 
 def metrics_text(base: str, timeout: float = 10) -> str:

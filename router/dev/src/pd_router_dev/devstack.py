@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -26,28 +25,11 @@ def static_pools(prefill: Sequence[str], decode: Sequence[str]) -> dict[str, Any
     }
 
 
-_ports = random.Random()
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port, for ports that must be known before a process starts: below
-    the kernel's ephemeral range. A port the kernel hands out (bind to 0) may meanwhile become
-    some outgoing connection's source port, and the process that binds it later fails (seen:
-    vllm-router's "Address already in use" while the other pytest worker ran engines; NIXL's
-    handshake listener, which then hangs)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    for _ in range(200):
-        port = _ports.randrange(10000, max(10001, low))
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in 10000-{low}")
+    """A currently free TCP port (for ports that must be known before a process starts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 class Proc:
