@@ -25,16 +25,27 @@ class PeerStack:
         self.prefill = stack.sim("vr-prefill", "--kv-connector", "nixl")
         self.decode = stack.sim("vr-decode", "--kv-connector", "nixl")
         assert vllm_router_binary().exists(), "vllm-router is a pinned test dependency"
-        self.port = free_port()
         self.log = open(stack.workdir / "vllm-router.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            vllm_router_command(self.prefill.url(), self.decode.url(), self.port),
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_until(self._up, "vllm-router answers /health")
+        # Its ports must be chosen before it starts: one taken meanwhile (by another process's
+        # connection, while the other pytest worker runs engines) fails its bind; it is started
+        # again on other ports, up to three times. Any other exit fails at once.
+        for attempt in range(3):
+            self.log.seek(0)
+            self.log.truncate()  # the log says this attempt's exit only
+            self.port = free_port()
+            self.proc = subprocess.Popen(
+                vllm_router_command(self.prefill.url(), self.decode.url(), self.port),
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            self.url = f"http://127.0.0.1:{self.port}"
+            try:
+                wait_until(self._up, "vllm-router answers /health")
+                return
+            except AssertionError as exc:
+                if attempt == 2 or "Address already in use" not in str(exc):
+                    raise
 
     def _up(self) -> bool:
         if self.proc.poll() is not None:
