@@ -40,7 +40,6 @@ from tests.real_engine import engines
 from tests.real_engine.prompts import Answer, ask, colocated, text
 from tests.real_engine.routers import Routers, chart_router_config
 
-SOURCES = "vllm:prompt_tokens_by_source_total"
 # About 1,400 tokens of the tiny tokenizer: above the dev threshold; 20: far below it.
 LONG_WORDS, SHORT_WORDS = 700, 20
 MEMORY_GIB = 6  # a prefiller and a decoder of the tiny model, measured: about 6 GB together
@@ -79,13 +78,6 @@ def refusal() -> str | None:
     return None
 
 
-def _by_source(e: engines.Engine) -> dict[str, float]:
-    t = e.metrics()
-    return {
-        s: engines.value(t, SOURCES, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
-    }
-
-
 def _line(n: int, what: str, a: Answer) -> str:
     cached = f"{a.cached_tokens} ({a.cached_source})" if a.cached else "0"
     return (
@@ -122,9 +114,9 @@ def run(workdir: Path, say: Callable[[str], None] = print) -> bool:
         say(_line(1, "short prompt", short))
         long_prompt = text("demo-long", LONG_WORDS)
         base = colocated(dec.url, name, True, long_prompt)
-        before = _by_source(dec)
+        before = engines.by_source(dec)
         long = ask(router.url(), name, True, long_prompt, True)
-        after = _by_source(dec)
+        after = engines.by_source(dec)
         say(_line(2, "long prompt", long))
         equal = long.text == base.text
         say(f"   colocated: {base.text!r} (the decoder alone)\n   equal to colocated: {'yes' if equal else 'NO'}")

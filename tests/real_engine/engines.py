@@ -133,6 +133,18 @@ def value(text: str, name: str, **labels: str) -> float:
     return sum(v for ls, v in samples(text, name) if all(ls.get(k) == x for k, x in labels.items()))
 
 
+PROMPT_SOURCES = "vllm:prompt_tokens_by_source_total"
+
+
+def by_source(e: Engine) -> dict[str, float]:
+    """Where ``e``'s prompt tokens came from so far: computed there, its prefix cache, or pulled
+    over the KV connector (vLLM 0.31.0's ``vllm:prompt_tokens_by_source_total``)."""
+    text = e.metrics()
+    return {
+        s: value(text, PROMPT_SOURCES, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+
+
 @dataclass
 class Engine:
     """One real vLLM engine process (its whole tree pinned to ``core``)."""

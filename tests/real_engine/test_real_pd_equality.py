@@ -11,16 +11,8 @@ from pd_router_dev.devstack import Proc
 from tests.real_engine import engines
 from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, ask, colocated, text
 
-SOURCES = "vllm:prompt_tokens_by_source_total"
 CASES = [(chat, stream) for chat in (True, False) for stream in (False, True)]
 IDS = [f"{'chat' if c else 'completions'}-{'stream' if s else 'whole'}" for c, s in CASES]
-
-
-def by_source(decoder: engines.Engine) -> dict[str, float]:
-    text_ = decoder.metrics()
-    return {
-        s: engines.value(text_, SOURCES, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
-    }
 
 
 @pytest.mark.parametrize(("chat", "stream"), CASES, ids=IDS)
@@ -30,9 +22,9 @@ def test_nixl_route_answers_equal_colocated_token_for_token(
     dec = pd["decode"]
     prompt = text(f"equal-{chat}-{stream}", LONG_WORDS)
     base = colocated(dec.url, model_name, chat, prompt)
-    before = by_source(dec)
+    before = engines.by_source(dec)
     got = ask(router.url(), model_name, chat, prompt, stream)
-    after = by_source(dec)
+    after = engines.by_source(dec)
     assert (got.route, got.reason) == ("disaggregated", "above_threshold")
     assert got.text == base.text and got.finish == base.finish == "length"
     assert got.prompt_tokens == base.prompt_tokens
@@ -61,9 +53,9 @@ def test_many_long_prompts_of_different_lengths_all_equal(
     for i, words in enumerate((300, 333, 512, 640, 1000, 1500)):
         prompt = text(f"lengths-{i}", words)
         base = colocated(dec.url, model_name, True, prompt)
-        before = by_source(dec)["external_kv_transfer"]
+        before = engines.by_source(dec)["external_kv_transfer"]
         got = ask(router.url(), model_name, True, prompt, bool(i % 2))
-        moved += by_source(dec)["external_kv_transfer"] - before
+        moved += engines.by_source(dec)["external_kv_transfer"] - before
         assert got.route == "disaggregated" and got.text == base.text, (words, got, base)
         n += base.prompt_tokens or 0
     assert moved == n
