@@ -196,6 +196,20 @@ class Legs:
         # a streaming client that accepts nothing for this long is dropped
         self.stall = 2 * timeouts.stream_idle_seconds
 
+    # ------------------------------------------------------------------ engine health
+    # Every leg's outcome for its engine reaches the engine's pool through these two alone
+    # (passive health, pd_router.discovery), so what counts either way is read in one place.
+    def engine_ok(self, pool: EndpointPool, ep: Endpoint) -> None:
+        """``ep`` served its leg, all of it: a decoder's answer began; a prefill answered and
+        its hand-off proved what it must (LMCache: the KV's notification). Its run of failures
+        ends."""
+        pool.report_success(ep)
+
+    def engine_failed(self, pool: EndpointPool, ep: Endpoint) -> None:
+        """``ep`` failed its leg (connect error, timeout, 5xx, an unreadable or broken answer,
+        a hand-off's notification failed or missing): one more toward its ejection."""
+        pool.report_failure(ep)
+
     # ------------------------------------------------------------------ the pair
     def pair(self, ctx: Ctx, preferred: Endpoint | None = None) -> tuple[Endpoint, Endpoint]:
         """The decoder and the prefiller of a hand-off (balancing.pair: one KV revision, the
@@ -292,7 +306,7 @@ class Legs:
                 if err.kind == "revision":
                     pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
                 else:
-                    pool.report_failure(ep)
+                    self.engine_failed(pool, ep)
                 out.upstream("decode", err.kind)
                 if err.kind != "5xx":
                     log.warning(
@@ -300,7 +314,7 @@ class Legs:
                     )
                 last = err
                 continue
-            pool.report_success(ep)
+            self.engine_ok(pool, ep)
             ctx.revision = ep.revision or ""
             ctx.engine = ep.base
             if span is not None:
@@ -389,17 +403,15 @@ class Legs:
         path: str,
         body: dict[str, Any],
         ntok: int,
-        *,
-        report_success: bool = True,
     ) -> Any:
         """A non-streaming prefill request: its parsed JSON answer. The prefiller's load counts
-        ``ntok`` prompt tokens meanwhile, and this leg reports its health: a failure (connect,
-        timeout, 5xx, an unreadable answer) counts against it and is a :class:`Fallback`
-        (``prefill_error`` / ``prefill_timeout``); a 4xx refused the leg's body, not the
-        client's (one output token, no stream, the hand-off fields: vLLM's message would speak
-        of a request the client never sent), so a decoder answers the client's own
-        (``prefill_refused``). ``report_success``: off where the hand-off has more to prove
-        (LMCache: its notification)."""
+        ``ntok`` prompt tokens meanwhile. A failure (connect, timeout, 5xx, an unreadable
+        answer) counts against it and is a :class:`Fallback` (``prefill_error`` /
+        ``prefill_timeout``); a 4xx refused the leg's body, not the client's (one output token,
+        no stream, the hand-off fields: vLLM's message would speak of a request the client
+        never sent), so a decoder answers the client's own (``prefill_refused``). Its success
+        is the hand-off's to report (:meth:`engine_ok`): an answer may not be all it has to
+        prove (LMCache: its notification)."""
         ctx.prefilled_on = ep.base
         with LegSpan(ctx, "prefill", ep, path) as span:
             meter = ctx.meter
@@ -439,8 +451,6 @@ class Legs:
                 answer = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 raise self.prefill_broken(ep, LegError("bad_response", 502)) from None
-            if report_success:
-                self.prefill_pool.report_success(ep)
             if job is not None:
                 job.answered()
             return answer
@@ -448,7 +458,7 @@ class Legs:
     def prefill_broken(self, ep: Endpoint, err: LegError) -> Fallback:
         """Count a broken prefill leg against its prefiller; the fallback to raise."""
         self.outcomes.upstream("prefill", err.kind)
-        self.prefill_pool.report_failure(ep)
+        self.engine_failed(self.prefill_pool, ep)
         return Fallback("prefill_timeout" if err.kind == "timeout" else "prefill_error")
 
     # ------------------------------------------------------------------ /tokenize
@@ -531,7 +541,7 @@ class Legs:
         except UPSTREAM_ERRORS as exc:
             err = LegError.of(exc, "stream")
             self.outcomes.upstream("decode", err.kind)
-            self.decode_pool.report_failure(ep)
+            self.engine_failed(self.decode_pool, ep)
             return self.fail(ctx, down, err)
         return down.reply(resp.status, data, hdrs)
 
@@ -586,7 +596,7 @@ class Legs:
                     down.gone()
                     return down.response
                 out.upstream("decode", "stream")
-                self.decode_pool.report_failure(ep)
+                self.engine_failed(self.decode_pool, ep)
                 await down.stream_error("upstream stream failed")
                 ok = True
                 return down.response

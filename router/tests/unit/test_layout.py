@@ -94,6 +94,51 @@ def test_no_function_of_the_runtime_is_longer_than_the_cap() -> None:
     assert funcs["kv_events.py:_Subscriber.run"] < MAX_FUNCTION_LINES  # the walk finds methods
 
 
+def _callers(attrs: set[str]) -> dict[str, set[str]]:
+    """Where the runtime calls a method named in ``attrs``: name -> ``file:Class.function``
+    (``file:`` alone for a call outside every function)."""
+    out: dict[str, set[str]] = {a: set() for a in attrs}
+
+    def calls(node: ast.AST) -> list[ast.Call]:
+        return [
+            n
+            for n in ast.walk(node)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in attrs
+        ]
+
+    for f, tree in _modules():
+        rel = f.relative_to(RUNTIME).as_posix()
+        seen: set[ast.Call] = set()
+        for cls in [tree, *[n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]]:
+            prefix = f"{cls.name}." if isinstance(cls, ast.ClassDef) else ""
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    for c in calls(fn):
+                        out[c.func.attr].add(f"{rel}:{prefix}{fn.name}")  # type: ignore[attr-defined]
+                        seen.add(c)
+        for c in set(calls(tree)) - seen:
+            out[c.func.attr].add(f"{rel}:")  # type: ignore[attr-defined]
+    return out
+
+
+def test_engine_health_is_reported_from_one_place() -> None:
+    """A leg's outcome for its engine reaches the engine's pool through Legs.engine_ok and
+    Legs.engine_failed alone, so what counts as a success or a failure is read in one place
+    (LMCache's prefill succeeds once its notification came, not on its answer)."""
+    calls = _callers({"report_success", "report_failure"})
+    assert calls == {
+        "report_success": {"legs.py:Legs.engine_ok"},
+        "report_failure": {"legs.py:Legs.engine_failed"},
+    }, calls
+    defined = {k for k in _functions() if k.split(".")[-1] in calls}
+    assert defined == {
+        "discovery.py:EndpointPool.report_success",
+        "discovery.py:EndpointPool.report_failure",
+    }, defined
+
+
 def _imports(tree: ast.Module) -> set[str]:
     out: set[str] = set()
     for n in ast.walk(tree):

@@ -334,7 +334,7 @@ class LMCacheRoute:
                 return down.response
             legs.outcomes.first_token(ctx)
         if done_after_first:
-            legs.prefill_pool.report_success(plan.pre)
+            legs.engine_ok(legs.prefill_pool, plan.pre)
             self.waiter.cancel(ticket)
             return await self._first_only(ctx, down, sid, created, first, len(first.ids))
         landed = await self._await_kv(ctx, plan, ticket, t0)
@@ -382,9 +382,9 @@ class LMCacheRoute:
         body = revision.leg_model(body, legs.served, plan.pre.revision)
         # ids known: a completion of them; else the client's own endpoint, asking for them
         path = DECODE_PATH if plan.ids is not None or not ctx.chat else ctx.path
-        # its success is reported once the KV landed (_await_kv): reported here, it would reset
-        # the failures a missing notification counts every time
-        presp = await legs.prefill(ctx, plan.pre, path, body, plan.ntok, report_success=False)
+        # its success is reported once the KV landed (_await_kv), not on this answer: reported
+        # here, it would reset the failures a missing notification counts every time
+        presp = await legs.prefill(ctx, plan.pre, path, body, plan.ntok)
         ids = plan.ids
         try:
             tok = presp["kv_transfer_params"]["first_tok"]
@@ -417,12 +417,12 @@ class LMCacheRoute:
             Trace.end(span, "" if outcome == "ok" else f"notify_{outcome}")
         legs.outcomes.handoff_wait("lmcache", time.perf_counter() - t0)
         if outcome == "ok":
-            legs.prefill_pool.report_success(plan.pre)
+            legs.engine_ok(legs.prefill_pool, plan.pre)
             return True
         legs.outcomes.upstream(
             "prefill", "sidecar_error" if outcome == "error" else "notify_timeout"
         )
-        legs.prefill_pool.report_failure(plan.pre)
+        legs.engine_failed(legs.prefill_pool, plan.pre)
         legs.outcomes.fallback(ctx, "notify_timeout")
         log.warning("LMCache notification timed out", extra={"request_id": ctx.rid})
         return False
