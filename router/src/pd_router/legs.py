@@ -173,6 +173,54 @@ JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
+class _DecoderTries:
+    """One :meth:`Legs.open_decoder`'s state: the decoders tried and avoided, the last
+    failure, and what the next try sends."""
+
+    __slots__ = ("avoid", "data", "handoff", "last", "prefer", "retry_data", "tried")
+
+    def __init__(
+        self,
+        data: bytes,
+        retry_data: bytes | None,
+        prefer: Endpoint | None,
+        exclude: Sequence[Endpoint],
+    ) -> None:
+        self.data = data
+        self.retry_data = retry_data
+        # still the hand-off attempt: ``data`` carries the prefiller's KV, until a retry (or
+        # the KV's own prefiller as decoder) sends ``retry_data`` instead
+        self.handoff = retry_data is not None
+        self.prefer = prefer
+        self.avoid: list[Endpoint] = list(exclude)
+        self.tried: list[Endpoint] = []
+        self.last: LegError | None = None
+
+    def pick(self, healthy: list[Endpoint], affinity: str | None) -> Endpoint | None:
+        """The next decoder to try: ``prefer`` first, then the balancer's choice among those
+        not tried nor avoided; None when no decoder is left."""
+        if self.prefer is not None:
+            ep, self.prefer = self.prefer, None
+            self.avoid.append(ep)
+            return ep
+        ep = balancing.pick(healthy, balancing.decode_load, affinity, self.tried + self.avoid)
+        if ep is None and self.avoid and all(e in self.avoid for e in self.tried):
+            # only avoided decoders are healthy: better one of them than nothing
+            self.avoid = []
+            return balancing.pick(healthy, balancing.decode_load, affinity)
+        if ep is None and self.tried and self.handoff:
+            # the hand-off failed where no other decoder is left: the same one, once more,
+            # without it (a KV load that failed says nothing of the decoder)
+            return balancing.pick(healthy, balancing.decode_load, affinity)
+        return ep
+
+    def drop_handoff(self) -> None:
+        """From here on, tries send ``retry_data`` (the route becomes ``fallback``)."""
+        assert self.retry_data is not None
+        self.data = self.retry_data
+        self.handoff = False
+
+
 class Legs:
     def __init__(
         self,
@@ -255,72 +303,75 @@ class Legs:
         decoder too); it is never sent its own ``kv_transfer_params`` (vLLM 0.31/0.33 do not
         guard a handshake with themselves), only ``retry_data``. Raises the last
         :class:`LegError`."""
-        pool = self.decode_pool
         out = self.outcomes
         idle = self.t.stream_idle_seconds if stream else self.t.first_byte_seconds
-        tried: list[Endpoint] = []
-        avoid: list[Endpoint] = list(exclude)
-        last: LegError | None = None
-        if prefer is None and ctx.decoder is not None and ctx.decoder not in avoid:
+        if prefer is None and ctx.decoder is not None and ctx.decoder not in exclude:
             prefer = ctx.decoder  # the decision's (it may hold the prompt's prefix)
+        tries = _DecoderTries(data, retry_data, prefer, exclude)
         while True:
-            if prefer is not None:
-                ep, prefer = prefer, None
-                avoid.append(ep)
-            else:
-                ep = balancing.pick(
-                    pool.healthy, balancing.decode_load, ctx.affinity, tried + avoid
-                )
-                if ep is None and avoid and all(e in avoid for e in tried):
-                    # only avoided decoders are healthy: better one of them than nothing
-                    ep = balancing.pick(pool.healthy, balancing.decode_load, ctx.affinity)
-                    avoid = []
-                elif ep is None and tried and retry_data is not None and data is not retry_data:
-                    # the hand-off failed where no other decoder is left: the same one, once
-                    # more, without it (a KV load that failed says nothing of the decoder)
-                    ep = balancing.pick(pool.healthy, balancing.decode_load, ctx.affinity)
+            ep = tries.pick(self.decode_pool.healthy, ctx.affinity)
             if ep is None:
-                raise last or LegError.no_decoder()
-            if tried:
+                raise tries.last or LegError.no_decoder()
+            if tries.tried:
                 out.retry("decode")
-            if (tried or ep is kv_source) and retry_data is not None and data is not retry_data:
-                data = retry_data
-                if last is not None and last.kind == "revision":
+            if tries.handoff and (tries.tried or ep is kv_source):
+                if tries.last is not None and tries.last.kind == "revision":
                     out.fallback(ctx, "no_revision_pair")
                 else:
                     out.fallback(ctx, "decode_retry")
-            tried.append(ep)
-            span = leg_span(ctx, "decode", ep, path)
-            if span is not None:
-                span.attrs["pd.attempt"] = len(tried)
-                if retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
-                    span.attrs["pd.kv_transfer_params"] = data is not retry_data
-            kv = retry_data is not None and data is not retry_data
+                tries.drop_handoff()
+            tries.tried.append(ep)
             try:
-                resp = await self._try_decoder(
-                    ctx, ep, path, data, stream, idle, named and kv, span, kv
-                )
+                resp = await self._decoder_attempt(ctx, ep, path, tries, stream, idle, named)
             except LegError as err:
-                if span is not None:
-                    Trace.end(span, err.kind)
-                if err.kind == "revision":
-                    pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
-                else:
-                    self.engine_failed(pool, ep)
-                out.upstream("decode", err.kind)
-                if err.kind != "5xx":
-                    log.warning(
-                        "decoder %s failed: %s", ep.base, err.kind, extra={"request_id": ctx.rid}
-                    )
-                last = err
+                tries.last = err
                 continue
-            self.engine_ok(pool, ep)
-            ctx.revision = ep.revision or ""
-            ctx.engine = ep.base
-            if span is not None:
-                assert ctx.trace is not None
-                ctx.trace.answer = span  # ends with the answer; first token then (Trace.close)
             return resp, ep
+
+    async def _decoder_attempt(
+        self,
+        ctx: Ctx,
+        ep: Endpoint,
+        path: str,
+        tries: _DecoderTries,
+        stream: bool,
+        idle: float,
+        named: bool,
+    ) -> Response:
+        """One of ``tries``, on ``ep``: traced, its outcome reported against the decoder (a
+        revision it refused is relearnt, not counted). Raises its :class:`LegError`."""
+        span = leg_span(ctx, "decode", ep, path)
+        kv = tries.handoff
+        if span is not None:
+            span.attrs["pd.attempt"] = len(tries.tried)
+            if tries.retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
+                span.attrs["pd.kv_transfer_params"] = kv
+        try:
+            resp = await self._try_decoder(
+                ctx, ep, path, tries.data, stream, idle, named and kv, span, kv
+            )
+        except LegError as err:
+            self._decoder_failed(ctx, ep, span, err)
+            raise
+        self.engine_ok(self.decode_pool, ep)
+        ctx.revision = ep.revision or ""
+        ctx.engine = ep.base
+        if span is not None:
+            assert ctx.trace is not None
+            ctx.trace.answer = span  # ends with the answer; first token then (Trace.close)
+        return resp
+
+    def _decoder_failed(self, ctx: Ctx, ep: Endpoint, span: Span | None, err: LegError) -> None:
+        """A failed try: its span ended, the decoder counted (or relearnt), the failure logged."""
+        if span is not None:
+            Trace.end(span, err.kind)
+        if err.kind == "revision":
+            self.decode_pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
+        else:
+            self.engine_failed(self.decode_pool, ep)
+        self.outcomes.upstream("decode", err.kind)
+        if err.kind != "5xx":
+            log.warning("decoder %s failed: %s", ep.base, err.kind, extra={"request_id": ctx.rid})
 
     async def _try_decoder(
         self,
