@@ -158,6 +158,7 @@ def test_goodput_values_reach_the_router_as_numbers(h4: Path) -> None:
                     "decodeStepSeconds": 0.00005,
                     "handoffSeconds": 0.002,
                     "chunkTokens": 8192,
+                    "crowding": 2.1,
                 },
             },
         }
@@ -167,7 +168,7 @@ def test_goodput_values_reach_the_router_as_numbers(h4: Path) -> None:
     assert (g.ttft_seconds, g.ttft_seconds_per_kilo_token, g.itl_seconds, g.window_seconds) == (2.5, 0, 0.05, 30)
     seed = g.seed
     assert (seed.prefill_tokens_per_second, seed.decode_step_seconds, seed.handoff_seconds) == (1e6, 5e-05, 0.002)
-    assert seed.chunk_tokens == 8192
+    assert (seed.chunk_tokens, seed.crowding) == (8192, 2.1)
 
 
 def test_decode_pods_reach_each_others_kv_ports_as_split_decoders_reach_the_prefillers(h4: Path) -> None:

@@ -129,6 +129,11 @@ class GoodputSeed:
     # 2048, vLLM 0.31's default for the API server on CPU and below 70 GiB of device memory
     # (8192 on H100/H200: engine/arg_utils.py)
     chunk_tokens: float = 0.0
+    # how much slower an engine decodes while every other engine works (engines sharing cores
+    # or memory bandwidth: 2 = three times as slow; engines on GPUs of their own: 0). Learnt
+    # only where the others are seen both idle and at work: under steady load they always are
+    # at work, and the step alone cannot be told from the crowding (pd_router.costs.StepFit)
+    crowding: float = 0.0
 
 
 @dataclass(frozen=True)

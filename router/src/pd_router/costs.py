@@ -11,7 +11,10 @@ Per engine (:class:`EngineCosts`), from the router's own observations of its cal
   ``seconds = step + a + k x tokens``, the step being the engine's decode step when it was
   sent (the batch it joins);
 - **decode step**: the gap between two tokens of a stream on it while it prefills nothing,
-  against the streams decoding on it: ``seconds = s0 + s1 x streams``;
+  against the streams decoding on it and the share of the other engines at work:
+  ``seconds = (s0 + s1 x streams) x (1 + crowding x share)`` (:class:`StepFit`; the
+  crowding is 0 for engines on GPUs of their own, 2-3 for this project's CPU engines, which
+  share a machine);
 - **stall**: what a prompt token adds to the step that prefills it, from the gap of a stream
   that ended with the step that produced a prompt's first token (vLLM's chunked prefill cuts a
   long prompt into chunks of ``max_num_batched_tokens``, ``seed.chunkTokens``, each a step);
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pd_router.config import Goodput
 from pd_router.prefix import BYTES_PER_TOKEN
@@ -66,6 +69,9 @@ SEEN_PRIOR = 20.0
 # A stall sample needs a stream's gap to end within this many decode steps of a first token.
 STEP_MATCH = 0.5
 STALL_PRIOR = 1.0  # stall samples the prefill fit's k counts as (see EngineCosts.stall_per_token)
+# A crowding (StepFit.crowding) below this is taken as none: engines on GPUs of their own learn
+# a few hundredths from noise; engines sharing a machine, 1 or more.
+CROWD_MIN = 0.1
 # A prefill fit is solved (a 4 x 4 system, ~30 us in Python) at most this often per engine:
 # samples that come faster are summed at once and reflected by the next decision after it.
 SOLVE_SECONDS = 0.05
@@ -116,42 +122,44 @@ class Fit:
         return self.a + self.b * x
 
 
-class PrefillFit:
-    """A prefill's time against what it waits behind and its own prompt: ``a + k x sum(n) +
-    q x sum(n^2) + c x steps`` over the uncached tokens ``n`` of each prompt (attention's cost
-    grows with the square of a prompt's length: on the CPU build a 2,500-token prompt takes
-    0.15 ms a token, a 200-token one 0.1) and the steps they take (a step per chunk of vLLM's
-    budget, each carrying the engine's decodes too), so that ``k`` and ``q`` are the prefill's
-    own compute: what a chunk adds to a decode step. Least squares with :class:`Fit`'s
-    forgetting; its prior (the prior line, q = 0, c = the prior step) holds each coefficient
-    like ``PRIOR_WEIGHT`` samples and fades faster than samples do (``PRIOR_FADE`` each), so
-    that a prior far from the engine's truth cannot bend the fit at lengths no sample has
-    reached yet for long."""
+class Ridge:
+    """Least squares over a few features with :class:`Fit`'s forgetting, each coefficient held
+    towards its prior like ``weight`` samples at its feature's scale. That hold fades by
+    ``PRIOR_FADE`` a sample (a prior far from the engine's truth cannot bend the fit for long
+    where no sample has been), except for the coefficients in ``firm``, which keep it (they
+    stay at their prior until the samples tell them apart from the others). A cost falling
+    with its load is noise: a coefficient the solution takes below zero is held (at
+    ``floor``) and the rest solved again without it; clamping it after the solve would leave
+    the others fitted to a value it no longer has (a negative intercept absorbed by the
+    per-step cost: every short prompt predicted slower by that much)."""
 
-    __slots__ = ("a", "b", "beta0", "c", "m", "n", "pending", "pw", "q", "v")
+    __slots__ = ("beta", "beta0", "firm", "floor", "m", "n", "pending", "pw", "v")
 
-    def __init__(self, a: float, b: float, step: float) -> None:
-        # features in thousands of tokens (and millions squared): well conditioned
-        self.beta0 = [a, b * _K, 0.0, step]
-        self.a, self.b, self.q, self.c = a, b, 0.0, step
-        self.n = 0
-        self.m = [[0.0] * 4 for _ in range(4)]
-        self.v = [0.0] * 4
+    def __init__(
+        self, beta0: Sequence[float], floor: Sequence[float], firm: Sequence[int] = ()
+    ) -> None:
+        k = len(beta0)
+        self.beta0 = list(beta0)
+        self.beta = list(beta0)
+        self.floor = list(floor)
+        self.firm = frozenset(firm)
+        self.n = 0  # samples seen
+        self.m = [[0.0] * k for _ in range(k)]
+        self.v = [0.0] * k
         self.pw = PRIOR_WEIGHT
         self.pending = False  # samples added that the coefficients do not reflect yet
 
-    def add(self, x: float, x2: float, steps: float, y: float, solve: bool = True) -> None:
-        """A prefill of ``x`` tokens in all (``x2`` the sum of each prompt's square) over
-        ``steps`` steps took ``y`` seconds; ``solve``: the coefficients follow now, else at
-        the next :meth:`solve` (``pending`` until then)."""
+    def observe(self, f: Sequence[float], y: float, solve: bool = True) -> None:
+        """One sample: features ``f``, value ``y``; ``solve``: the coefficients follow now,
+        else at the next :meth:`solve` (``pending`` until then)."""
         d = FORGET
-        f = (1.0, x / _K, x2 / _K2, steps)
         m, v = self.m, self.v
-        for i in range(4):  # the symmetric sums, each product once
+        k = len(v)
+        for i in range(k):  # the symmetric sums, each product once
             fi = f[i]
             v[i] = v[i] * d + fi * y
             row = m[i]
-            for j in range(i, 4):
+            for j in range(i, k):
                 e = row[j] * d + fi * f[j]
                 row[j] = m[j][i] = e
         self.pw *= PRIOR_FADE
@@ -163,23 +171,16 @@ class PrefillFit:
     def solve(self) -> None:
         """The coefficients from the samples so far."""
         self.pending = False
-        m, v = self.m, self.v
-        # ridge towards the prior, each coefficient held like pw samples at its feature's scale
-        scale = [1.0, 1.0, 1.0, 1.0]
-        pw = self.pw
+        m, v, k = self.m, self.v, len(self.v)
         mm = [row[:] for row in m]
         vv = v[:]
-        for i in range(4):
-            mm[i][i] += pw * scale[i]
-            vv[i] += pw * scale[i] * self.beta0[i]
-        # a cost falling with its load is noise: a coefficient the solution takes below zero is
-        # held (the per-token cost at its prior, the others at 0) and the rest solved again
-        # without it; clamping it after the solve would leave the others fitted to a value it
-        # no longer has (a negative intercept absorbed by the per-step cost: every short
-        # prompt predicted slower by that much)
+        for i in range(k):
+            w = (PRIOR_WEIGHT if i in self.firm else self.pw) * self._scale(i)
+            mm[i][i] += w
+            vv[i] += w * self.beta0[i]
         held: dict[int, float] = {}
         while True:
-            free = [i for i in range(4) if i not in held]
+            free = [i for i in range(k) if i not in held]
             sol = _solve(
                 [[mm[i][j] for j in free] for i in free],
                 [vv[i] - sum(mm[i][j] * h for j, h in held.items()) for i in free],
@@ -192,12 +193,75 @@ class PrefillFit:
             if not low:
                 break
             for i in low:
-                held[i] = self.beta0[1] if i == 1 else 0.0
-        a, b, q, c = (beta[i] for i in range(4))
+                held[i] = self.floor[i]
+        self.beta = [beta[i] for i in range(k)]
+        self._solved()
+
+    def _solved(self) -> None:
+        """The coefficients changed (subclasses keep them by name)."""
+
+    def _scale(self, i: int) -> float:
+        """A sample's typical square of feature ``i``: what a prior sample weighs there."""
+        return 1.0
+
+
+class PrefillFit(Ridge):
+    """A prefill's time against what it waits behind and its own prompt: ``a + k x sum(n) +
+    q x sum(n^2) + c x steps`` over the uncached tokens ``n`` of each prompt (attention's cost
+    grows with the square of a prompt's length: on the CPU build a 2,500-token prompt takes
+    0.15 ms a token, a 200-token one 0.1) and the steps they take (a step per chunk of vLLM's
+    budget, each carrying the engine's decodes too), so that ``k`` and ``q`` are the prefill's
+    own compute: what a chunk adds to a decode step. A :class:`Ridge` from the prior line
+    (q = 0, c = the prior step); a per-token cost solved below zero is held at its prior."""
+
+    __slots__ = ("a", "b", "c", "q")
+
+    def __init__(self, a: float, b: float, step: float) -> None:
+        # features in thousands of tokens (and millions squared): well conditioned
+        super().__init__([a, b * _K, 0.0, step], [0.0, b * _K, 0.0, 0.0])
+        self.a, self.b, self.q, self.c = a, b, 0.0, step
+
+    def add(self, x: float, x2: float, steps: float, y: float, solve: bool = True) -> None:
+        """A prefill of ``x`` tokens in all (``x2`` the sum of each prompt's square) over
+        ``steps`` steps took ``y`` seconds."""
+        self.observe((1.0, x / _K, x2 / _K2, steps), y, solve)
+
+    def _solved(self) -> None:
+        a, b, q, c = self.beta
         self.a, self.b, self.q, self.c = a, b / _K, q / _K2, c
 
     def __call__(self, x: float, x2: float, steps: float) -> float:
         return self.a + self.b * x + self.q * x2 + self.c * steps
+
+
+class StepFit(Ridge):
+    """A decode step against the streams ``n`` decoding on the engine and the share ``b`` of
+    the other engines at work: ``(s0 + s1 x n) x (1 + crowding x b)``. The crowding: engines
+    that share a machine's cores, memory bandwidth or a host's router slow each other down
+    (this project's CPU runs: each engine decodes 2-3 x slower while the other works); engines
+    on GPUs of their own do not. Least squares over ``(1, n, b x the step alone)`` (the step
+    alone as the fit had it before the sample: linear in what it solves for); the crowding is
+    held at its prior (``seed.crowding``) like ``PRIOR_WEIGHT`` samples however many come, as
+    only samples with the others both idle and at work tell it from the step alone."""
+
+    __slots__ = ("crowding", "s0", "s1")
+
+    def __init__(self, step: float, per_stream: float, crowding: float) -> None:
+        super().__init__([step, per_stream, crowding], [0.0, 0.0, 0.0], firm=(2,))
+        self.s0, self.s1, self.crowding = step, per_stream, crowding
+
+    def add(self, n: float, b: float, gap: float, solve: bool = True) -> None:
+        self.observe((1.0, n, b * (self.s0 + self.s1 * n)), gap, solve)
+
+    def _solved(self) -> None:
+        self.s0, self.s1, self.crowding = self.beta
+
+    def __call__(self, n: float, b: float = 0.0) -> float:
+        return (self.s0 + self.s1 * n) * (1.0 + self.crowding * b)
+
+    def _scale(self, i: int) -> float:
+        # the crowding's feature is a step (at b = 1): its prior weighs a sample of one
+        return max(1e-6, self.s0 * self.s0) if i == 2 else 1.0
 
 
 _K = 1000.0  # PrefillFit's features in thousands of tokens (and millions of tokens squared)
@@ -252,6 +316,7 @@ class Job:
 
     __slots__ = (
         "ahead",
+        "busy_sum",
         "costs",
         "decoding",
         "ended",
@@ -308,6 +373,7 @@ class Job:
         self.gap_sum = 0.0  # of those
         self.slow_gap_sum = 0.0  # of the gaps past the bound
         self.streams_sum = 0  # streams decoding on the engine, summed over the usual gaps
+        self.busy_sum = 0.0  # the share of the other engines busy, summed over the usual gaps
         # slow gaps it may see and still meet its ITL p95
         self.slow_budget = int((1 - ITL_QUANTILE) * max(1, out))
 
@@ -334,6 +400,8 @@ class Job:
             self.usual += 1
             self.gap_sum += dt
             self.streams_sum += c.decoding
+            m = c.model
+            self.busy_sum += (m.busy - 1) * m.others_scale
 
     def end(self) -> None:
         """The call is over (its lease released), however it went."""
@@ -379,6 +447,7 @@ class EngineCosts:
         "stall_xx",
         "stall_xy",
         "step",
+        "step_solved_at",
         "tau",
         "unseen",
     )
@@ -395,7 +464,8 @@ class EngineCosts:
         step = seed.decode_step_seconds or PRIOR_STEP
         self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
         self.solved_at = -math.inf  # when the prefill fit was last solved
-        self.step = Fit(step, PRIOR_STEP_PER_STREAM, 32.0)
+        self.step = StepFit(step, PRIOR_STEP_PER_STREAM, seed.crowding)
+        self.step_solved_at = -math.inf
         # vLLM's max_num_batched_tokens: not said by the engine, nor learnt (the gaps a prompt
         # stretches show its chunks' cost, not where vLLM cut them); seed.chunkTokens sets it
         self.chunk = float(seed.chunk_tokens or PRIOR_CHUNK_TOKENS)
@@ -443,6 +513,9 @@ class EngineCosts:
         if self.prefill.pending and now - self.solved_at >= SOLVE_SECONDS:
             self.prefill.solve()
             self.solved_at = now
+        if self.step.pending and now - self.step_solved_at >= SOLVE_SECONDS:
+            self.step.solve()
+            self._step_solved(now)
         d = math.exp(-(now - self.seen_at) / self.tau) if self.seen_at else 1.0
         self.gaps_d = self.gaps_d * d + self.seen_gaps
         self.slow_d = self.slow_d * d + self.seen_slow
@@ -454,7 +527,8 @@ class EngineCosts:
             b = self.base
             report(b, "prefill_seconds_per_token", self.prefill.b)
             report(b, "stall_seconds_per_token", self.stall_per_token())
-            report(b, "decode_step_seconds", self.step(self.decoding))
+            report(b, "decode_step_seconds", self.step_now(self.decoding))
+            report(b, "crowding", self.step.crowding)
             report(b, "slow_gap_share", self.slow_share(now))
             report(b, "chunk_tokens", self.chunk)
         if now < self.next_due:  # no unseen answer's prefill is due yet
@@ -472,7 +546,7 @@ class EngineCosts:
         """Until the first token of a prompt of ``tokens`` uncached tokens sent now: the step
         running, then the prompts queued ahead and this one, their chunks each a step that
         carries the engine's decodes too."""
-        return self.step(self.decoding) + self.prefill(
+        return self.step_now(self.decoding) + self.prefill(
             self.q_tokens + tokens,
             self.q_sq + tokens * tokens,
             self.q_steps + self.steps_of(tokens),
@@ -485,7 +559,23 @@ class EngineCosts:
         return p.b * self.q_tokens + p.q * self.q_sq + p.c * self.q_steps
 
     def step_seconds(self, streams: int) -> float:
-        return self.step(streams)
+        """A decode step with ``streams`` streams, as the other engines' work makes it now."""
+        return self.step(streams, self.model.others_busy(self))
+
+    step_now = step_seconds
+
+    def busy_left(self) -> float:
+        """Seconds until the calls here now should be over: the longest of each stream's tokens
+        left at the step now, behind the prompts queued for those not yet prefilled."""
+        if not self.jobs:
+            return 0.0
+        step = self.step_now(self.decoding)
+        queue = self.queue_seconds()
+        left = 0.0
+        for j in self.jobs:
+            t = max(0, j.out - j.gaps) * step + (0.0 if j.prefilled else queue)
+            left = max(left, t)
+        return left
 
     def stall_per_token(self) -> float:
         """What a prompt token adds to the step that prefills it, as the streams here saw it
@@ -498,11 +588,11 @@ class EngineCosts:
         step and that chunk's compute (the stall seen per token, with attention's growth over
         the tokens before it from the prefill fit)."""
         p = self.prefill
-        return self.step(self.decoding) + self.stall_per_token() * c + p.q * 2 * done * c
+        return self.step_now(self.decoding) + self.stall_per_token() * c + p.q * 2 * done * c
 
     def _stall(self, tokens: int, gap: float) -> None:
         """A gap that ended with the step that prefilled ``tokens`` (its last chunk)."""
-        y = gap - self.step(self.decoding)
+        y = gap - self.step_now(self.decoding)
         if y > 0 and tokens > 0:
             d = FORGET
             self.stall_xy = self.stall_xy * d + tokens * y
@@ -513,13 +603,13 @@ class EngineCosts:
         token): the gap of a stream that ended with the same step teaches the stall."""
         last = min(float(tokens), self.chunk)
         t, g = self.last_gap
-        if t and now - t < STEP_MATCH * self.step(self.decoding):
+        if t and now - t < STEP_MATCH * self.step_now(self.decoding):
             self._stall(int(last), g)
         self.last_prefill = (now, int(last))
 
     def saw_gap(self, dt: float, now: float) -> None:
         t, n = self.last_prefill
-        if t and now - t < STEP_MATCH * self.step(self.decoding):
+        if t and now - t < STEP_MATCH * self.step_now(self.decoding):
             self._stall(n, dt)
             self.last_prefill = (0.0, 0)  # one sample a step
         self.last_gap = (now, dt)
@@ -535,16 +625,16 @@ class EngineCosts:
         if tokens <= 0:
             return 0.0
         if tokens <= size:  # one chunk (most prompts): its step alone
-            return _above(math.log(self.chunk_seconds(0.0, tokens)) - bound, STEP_SPREAD)
+            return chance_above(math.log(self.chunk_seconds(0.0, tokens)) - bound, STEP_SPREAD)
         total, done, n, t = 0.0, 0.0, 0, self.itl_bound
         while done < tokens and n < MAX_CHUNKS:
             c = min(size, tokens - done)
             t = self.chunk_seconds(done, c)
-            total += _above(math.log(t) - bound, STEP_SPREAD)
+            total += chance_above(math.log(t) - bound, STEP_SPREAD)
             done += c
             n += 1
         if done < tokens:  # the rest at the last chunk's rate
-            total += (tokens - done) / size * _above(math.log(t) - bound, STEP_SPREAD)
+            total += (tokens - done) / size * chance_above(math.log(t) - bound, STEP_SPREAD)
         return total
 
     def slow_share(self, now: float) -> float:
@@ -552,7 +642,7 @@ class EngineCosts:
         over the window (a machine, a batch or prefills that stretch its steps, all alike),
         held towards what the prefills placed here predict until ``SEEN_PRIOR`` gaps were
         seen."""
-        model = min(1.0, self.stretch(now) * self.step(self.decoding))
+        model = min(1.0, self.stretch(now) * self.step_now(self.decoding))
         return (self.slow_d + SEEN_PRIOR * model) / (self.gaps_d + SEEN_PRIOR)
 
     def harm(self, slow_steps: float, now: float) -> float:
@@ -615,7 +705,7 @@ class EngineCosts:
             slow = self.slow_steps(tokens)
         job = Job(self, kind, tokens, out, stream, slow, now)
         job.ahead = (self.q_tokens, self.q_sq, self.q_steps)
-        job.step0 = self.step(self.decoding)
+        job.step0 = self.step_now(self.decoding)
         if kind == "decode":
             job.decoding = True  # its first step only loads what was pulled
             self.decoding += 1
@@ -631,6 +721,8 @@ class EngineCosts:
             self.queued_slow += slow
             if slow:
                 self.slow.add(slow, now)
+        if not self.jobs:
+            self.model.busy += 1
         self.jobs.add(job)
         return job
 
@@ -651,7 +743,8 @@ class EngineCosts:
         x, x2, steps = job.ahead
         n = job.tokens
         solve = now - self.solved_at >= SOLVE_SECONDS
-        self.prefill.add(x + n, x2 + n * n, steps + job.steps, now - job.t_send - job.step0, solve)
+        y = now - job.t_send - job.step0
+        self.prefill.add(x + n, x2 + n * n, steps + job.steps, y, solve)
         if solve:
             self.solved_at = now
 
@@ -669,7 +762,10 @@ class EngineCosts:
             self.model.handoff.add(job.tokens, waited)
 
     def ended(self, job: Job, now: float) -> None:
-        self.jobs.discard(job)
+        if job in self.jobs:
+            self.jobs.discard(job)
+            if not self.jobs:
+                self.model.busy -= 1
         self.unseen.pop(job, None)
         # out of the queue; what it teaches is told apart (Job.first, Job.answered): a call
         # that failed teaches nothing
@@ -677,10 +773,27 @@ class EngineCosts:
         if job.decoding:
             self.decoding -= 1
         if job.usual > 0:
-            self.step.add(job.streams_sum / job.usual, job.gap_sum / job.usual)
+            self._learn_step(
+                job.streams_sum / job.usual, job.busy_sum / job.usual, job.gap_sum / job.usual
+            )
         if job.slow:
             mean = job.slow_gap_sum / job.slow
             self.slow_gap = mean if not self.slow_gap else 0.8 * self.slow_gap + 0.2 * mean
+
+    def _learn_step(self, streams: float, busy: float, gap: float) -> None:
+        """A call's streams saw a mean gap of ``gap`` with ``streams`` streams decoding here and
+        a share ``busy`` of the other engines at work."""
+        now = self.clock()
+        solve = now - self.step_solved_at >= SOLVE_SECONDS
+        self.step.add(streams, busy, gap, solve)
+        if solve:
+            self._step_solved(now)
+
+    def _step_solved(self, now: float) -> None:
+        self.step_solved_at = now
+        m = self.model
+        if (self.step.crowding >= CROWD_MIN) != m.crowded:
+            m.crowded = any(e.step.crowding >= CROWD_MIN for e in m.engines)
 
 
 def poisson_above(mean: float, k: int) -> float:
@@ -703,7 +816,7 @@ def poisson_above(mean: float, k: int) -> float:
     return max(0.0, 1.0 - total)
 
 
-def _above(z: float, spread: float) -> float:
+def chance_above(z: float, spread: float = STEP_SPREAD) -> float:
     """The chance that a log-normal quantity predicted ``z`` (log units) from a bound is past
     it."""
     return 0.5 * (1.0 + math.erf(z / (spread * _SQRT2)))
@@ -728,6 +841,9 @@ class CostModel:
         h = seed.handoff_seconds or PRIOR_HANDOFF
         self.handoff = Fit(h, PRIOR_HANDOFF_PER_TOKEN, 4096.0)
         self._engines: dict[tuple[str, int], EngineCosts] = {}
+        self.busy = 0  # engines with a call of this router in flight
+        self.others_scale = 1.0  # 1 / the other engines an engine has
+        self.crowded = cfg.seed.crowding >= CROWD_MIN  # an engine's crowding is, now
         # (engine, quantity, value): what the model believes, for pd_router_engine_cost, at most
         # once a second per engine (EngineCosts.refresh)
         self.report = report
@@ -752,7 +868,16 @@ class CostModel:
             c = self._engines[key] = EngineCosts(self, base)
             for k in [k for k in self._engines if k[0] == base and k[1] < generation]:
                 del self._engines[k]
+            self.others_scale = 1.0 / max(1, len(self._engines) - 1)
         return c
+
+    @property
+    def engines(self) -> list[EngineCosts]:
+        return list(self._engines.values())
+
+    def others_busy(self, c: EngineCosts) -> float:
+        """The share of the engines other than ``c`` with a call in flight."""
+        return (self.busy - (1 if c.jobs else 0)) * self.others_scale
 
     def ttft_bound(self, prompt_tokens: int) -> float:
         g = self.cfg

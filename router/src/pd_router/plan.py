@@ -14,7 +14,9 @@ For every option the router predicts:
 - the **harm** it does: the streams decoding on the engine that prefills it which this
   prefill's stretched steps push past their ITL p95 (each stream's slow-gap budget is 5 % of
   its output tokens, less the slow gaps it has seen and those the prefills queued ahead will
-  cause).
+  cause), and, where engines crowd each other (pd_router.costs.StepFit), the streams on the
+  other engines that its keeping an engine at work longer than that engine's calls would
+  slows past their ITL p95 (:meth:`Planner.crowding`).
 
 It then counts the **expected SLO misses** of each option: the chance that its TTFT passes its
 bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance that more of
@@ -23,12 +25,12 @@ alone passes it, and the streams it harms.
 
 **The rule**: a split must risk ``TIE`` fewer expected misses than the best whole option (a
 hand-off must earn its risk); among the rest, the fewest expected misses, then the earliest first
-token, except that options risking almost nothing (``PACK``) go to the decoder with the most
-streams already. Packing requests onto the engines already busy while that costs nothing
-keeps the rest free of streams: a long prompt can then be prefilled
-there without stalling anyone, which is what a fixed prefill pool buys, and an engine with
-nothing to do is left with nothing to do (on GPUs, idle power; on a machine whose engines share
-cores or memory bandwidth, the others' speed). Splits are weighed only when the best whole
+token, except that, where engines crowd each other (pd_router.costs.StepFit: engines that
+share a machine's cores or memory bandwidth), options risking almost nothing (``PACK``) go to
+the decoder with the most streams already: an engine with nothing to do is left with nothing
+to do, and the others keep their speed. On engines that do not crowd each other (GPUs of
+their own) that would only queue short prompts behind each other: there, the earliest first
+token. Splits are weighed only when the best whole
 option risks more than ``TIE`` (``handoff_not_worth`` otherwise, decided after weighing each
 engine once). Because a request decoding on an engine whose gaps are often stretched risks its
 ITL, streams drift to the engines that prefill least, and prefills to the engines whose streams
@@ -54,10 +56,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pd_router.costs import (
+    CROWD_MIN,
     DEFAULT_OUTPUT_TOKENS,
     ITL_QUANTILE,
     CostModel,
     EngineCosts,
+    chance_above,
     poisson_above,
 )
 from pd_router.discovery import Endpoint
@@ -67,7 +71,8 @@ from pd_router.discovery import Endpoint
 TTFT_SPREAD = 0.3
 # A split must risk this many fewer expected misses than serving whole to be taken.
 TIE = 0.05
-# Options that risk at most this many expected misses are packed onto the busier decoder.
+# Where engines crowd each other, options that risk at most this many expected misses are
+# packed onto the busier decoder.
 PACK = 0.01
 
 # How many prefillers and decoders (best first by their own side's score) are paired up: the
@@ -100,15 +105,16 @@ class Option:
             return (self.decoder.base, "whole", self.slow, self.prefill)
         return (self.prefiller.base, "prefill", self.slow, self.prefill)
 
-    def better(self, other: Option) -> bool:
+    def better(self, other: Option, pack: float) -> bool:
         """The rule (module docstring): fewer expected misses (by more than ``TIE``); then
-        whole; then, when both risk almost nothing (``PACK``), the decoder with more streams
-        already; then fewer expected misses; then the earlier first token."""
+        whole; then, when both risk at most ``pack`` (``PACK`` where engines crowd each other,
+        else below zero), the decoder with more streams already; then fewer expected misses;
+        then the earlier first token."""
         if abs(self.misses - other.misses) > TIE:
             return self.misses < other.misses
         if (self.prefiller is None) != (other.prefiller is None):
             return self.prefiller is None
-        if self.misses <= PACK and other.misses <= PACK and self.streams != other.streams:
+        if self.misses <= pack and other.misses <= pack and self.streams != other.streams:
             return self.streams > other.streams
         if self.misses != other.misses:
             return self.misses < other.misses
@@ -150,13 +156,41 @@ class Planner:
         expected = c.slow_share(now) * out
         return step, poisson_above(expected, int((1 - ITL_QUANTILE) * out))
 
+    def crowding(self, c: EngineCosts, seconds: float, now: float) -> float:
+        """The streams decoding on the other engines that ``c`` pushes past their ITL p95 by
+        working ``seconds`` from now: for as long as that keeps ``c`` at work beyond the calls
+        it has (EngineCosts.busy_left), their steps are as slow as ``c`` at work makes them
+        (StepFit.crowding), each the more likely past the bound. An engine about to fall idle
+        is thus dearer to send to than one that works on anyway: on engines that share a
+        machine, requests gather on the engines already busy."""
+        m = self.model
+        if not m.crowded:
+            return 0.0
+        extra = seconds - c.busy_left()
+        if extra <= 0:
+            return 0.0
+        bound = math.log(self.itl_bound)
+        c_busy = m.others_scale if c.jobs else 0.0
+        total = 0.0
+        for e in m.engines:
+            if e is c or not e.decoding or e.step.crowding < CROWD_MIN:
+                continue
+            e.refresh(now)
+            idle = m.others_busy(e) - c_busy  # the share of e's others at work, c idle
+            before = e.step(e.decoding, idle)
+            after = e.step(e.decoding, min(1.0, idle + m.others_scale))
+            more = chance_above(math.log(after) - bound) - chance_above(math.log(before) - bound)
+            if more > 0.001:
+                total += e.harm(extra / after * more, now)
+        return total
+
     def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
         c = self._costs(ep, now)
         ttft = c.prefill_seconds(tokens)
         step, itl_miss = self._decode(c, out, now)
         slow = c.slow_steps(tokens)
         harm = c.harm(slow, now)
-        itl_misses = itl_miss + harm
+        itl_misses = itl_miss + harm + self.crowding(c, ttft + out * step, now)
         misses = ttft_miss(ttft, bound) + itl_misses
         return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm)
 
@@ -187,10 +221,11 @@ class Planner:
             return None
         out = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
         bound = self.model.ttft_bound(prompt)
+        pack = PACK if self.model.crowded else -1.0
         best: Option | None = None
         for ep in decoders:
             o = self.whole(ep, max(1, prompt - held(ep)), out, bound, now)
-            if best is None or o.better(best):
+            if best is None or o.better(best, pack):
                 best = o
         assert best is not None
         if not prefillers or (len(decoders) == 1 and all(p is decoders[0] for p in prefillers)):
@@ -199,8 +234,8 @@ class Planner:
         # whole option risks no more than that
         if best.misses <= TIE:
             return Choice(best, "handoff_not_worth")
-        split = self._best_split(prompt, held, decoders, prefillers, out, bound, now)
-        if split is None or not split.better(best):
+        split = self._best_split(prompt, held, decoders, prefillers, out, bound, now, pack)
+        if split is None or not split.better(best, pack):
             return Choice(best, "whole_best")
         if best.itl_misses - split.itl_misses > TIE:
             return Choice(split, "split_protects_itl")
@@ -215,6 +250,7 @@ class Planner:
         out: int,
         bound: float,
         now: float,
+        pack: float,
     ) -> Option | None:
         # each side scored on its own: the prefiller by (streams it harms, its TTFT part), the
         # decoder by (its ITL miss, the wait behind its queue); the best few of each paired
@@ -225,7 +261,8 @@ class Planner:
             c = self._costs(x, now)
             tokens = max(1, prompt - held(x))
             slow = c.slow_steps(tokens)
-            pre.append((c.harm(slow, now), c.prefill_seconds(tokens), x, slow))
+            pf = c.prefill_seconds(tokens)
+            pre.append((c.harm(slow, now) + self.crowding(c, pf, now), pf, x, slow))
         pre.sort(key=lambda t: (t[0], t[1]))
         dec = []
         for y in decoders:
@@ -235,6 +272,7 @@ class Planner:
             pull = max(1, prompt - held(y))
             step, itl_miss = self._decode(c, out, now)
             wait = self.model.handoff(pull) + c.queue_seconds()
+            itl_miss += self.crowding(c, wait + out * step, now)
             dec.append((itl_miss, wait, step, y, c.decoding))
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None
@@ -246,7 +284,7 @@ class Planner:
                 itl_misses = harm + itl_miss
                 misses = ttft_miss(ttft, bound) + itl_misses
                 o = Option(y, x, ttft, step, misses, itl_misses, streams, slow, pf, harm)
-                if best is None or o.better(best):
+                if best is None or o.better(best, pack):
                     best = o
         return best
 

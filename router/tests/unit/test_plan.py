@@ -142,6 +142,113 @@ def test_without_a_second_engine_nothing_is_split() -> None:
     assert choice.reason == "handoff_not_worth"
 
 
+def crowded(crowd: float) -> tuple[CostModel, Planner, Clock, Endpoint, Endpoint]:
+    """Engine a decodes 4 streams and has 400 tokens queued (a short prompt there is predicted
+    near its TTFT bound); b is idle; a's steps are ``crowd`` x slower while b works."""
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    costs(model, b)
+    decoding(model, a, 4)
+    costs(model, a).start("whole", 400, 50, True, clock())
+    costs(model, a).step.crowding = crowd
+    model.crowded = crowd > 0
+    return model, planner, clock, a, b
+
+
+def test_an_idle_engine_is_left_idle_where_its_work_would_crowd_the_streams_elsewhere() -> None:
+    """On engines that share a machine (this project's CPU runs: each engine decodes ~2-3 x
+    slower while the other works), waking an idle engine stretches every stream decoding on the
+    others: a request queues on the busy engine when that costs its TTFT less than the streams'
+    ITL."""
+    _, planner, clock, a, b = crowded(5.0)  # a's 10 ms steps become 60 ms: past 50 ms
+    choice = planner.choose(50, NONE, [a, b], [], 50, clock())
+    assert choice is not None and choice.option.decoder is a
+    assert choice.option.itl_misses < 0.5
+    # negative control: steps that do not crowd; the idle engine's first token comes sooner
+    _, planner, clock, a, b = crowded(0.0)
+    choice = planner.choose(50, NONE, [a, b], [], 50, clock())
+    assert choice is not None and choice.option.decoder is b
+
+
+def test_on_crowded_engines_requests_gather_where_work_goes_on_anyway() -> None:
+    """Both engines at work: a's streams will decode for a while yet, b's last one is nearly
+    done. Sending a short request to b keeps b at work past that, crowding a's streams all the
+    while; sending it to a costs only its own TTFT risk (400 tokens queued there)."""
+
+    def choose(crowd: float) -> Endpoint:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        decoding(model, a, 4)
+        costs(model, a).start("whole", 400, 50, True, clock())
+        decoding(model, b, 1, out=100, fast_seen=95)
+        for e in (a, b):
+            costs(model, e).step.crowding = crowd
+        model.crowded = crowd > 0
+        choice = planner.choose(50, NONE, [a, b], [], 50, clock())
+        assert choice is not None
+        return choice.option.decoder
+
+    a, b = engines("a", "b")
+    assert choose(5.0).base == a.base
+    # negative control: no crowding; b's first token comes sooner
+    assert choose(0.0).base == b.base
+
+
+def test_requests_that_risk_nothing_are_packed_only_where_engines_crowd_each_other() -> None:
+    """Engines that slow each other down keep an idle one idle while packing costs nothing;
+    engines that do not give a short prompt the earliest first token (a's two streams make its
+    step, and so its first token, a little later)."""
+
+    def choose(crowd: float) -> str:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        costs(model, b)
+        decoding(model, a, 2)
+        for e in (a, b):
+            costs(model, e).step.crowding = crowd
+        model.crowded = crowd > 0
+        choice = planner.choose(20, NONE, [a, b], [], 10, clock())
+        assert choice is not None and choice.option.misses < 0.01
+        return choice.option.decoder.base
+
+    a, b = engines("a", "b")
+    assert choose(0.1) == a.base
+    assert choose(0.0) == b.base  # negative control
+
+
+def test_crowding_is_learnt_from_steps_slower_while_the_other_engines_work() -> None:
+    """The step alone from the calls decoding while the other engine idled, the crowding from
+    those decoding while it worked (gaps 3 x as long: a crowding of 2)."""
+
+    def run(crowded_gap: float) -> EngineCosts:
+        model, _, clock = setup()
+        a, b = engines("a", "b")
+        ca, cb = costs(model, a), costs(model, b)
+        for i in range(100):
+            clock.t += 1.0
+            busy = i % 2 == 1
+            other = cb.start("whole", 10, 10, True, clock()) if busy else None
+            j = ca.start("whole", 10, 50, True, clock())
+            j.first(clock())
+            for _ in range(20):
+                j.gap(crowded_gap if busy else 0.01, clock())
+            j.end()
+            if other is not None:
+                other.end()
+        assert model.busy == 0
+        return ca
+
+    ca = run(0.03)
+    # (the crowding's firm prior leaves a little of it to the step alone)
+    assert ca.step(1) == pytest.approx(0.01, rel=0.15)
+    # (from a prior of none, held like two samples: it gets most of the way in 50 of each)
+    assert 1.2 < ca.step.crowding < 2.2
+    assert ca.step_seconds(1) == pytest.approx(0.01, rel=0.15)  # b idle now
+    # negative control: as fast with b at work: no crowding
+    ca = run(0.01)
+    assert ca.step.crowding < 0.05
+
+
 # ---------------------------------------------------------------------- split_protects_itl
 
 

@@ -61,7 +61,7 @@ the router's default, so a split release's config is unchanged. */ -}}
   "ttftSecondsPerKiloToken" $g.ttftSecondsPerKiloToken
   "itlSeconds" $g.itlSeconds
   "windowSeconds" $g.windowSeconds
-  "seed" (dict "prefillTokensPerSecond" $g.seed.prefillTokensPerSecond "decodeStepSeconds" $g.seed.decodeStepSeconds "handoffSeconds" $g.seed.handoffSeconds "chunkTokens" $g.seed.chunkTokens)) -}}
+  "seed" (dict "prefillTokensPerSecond" $g.seed.prefillTokensPerSecond "decodeStepSeconds" $g.seed.decodeStepSeconds "handoffSeconds" $g.seed.handoffSeconds "chunkTokens" $g.seed.chunkTokens "crowding" $g.seed.crowding)) -}}
 {{- end -}}
 {{- /* Only when on: a release that does not trace keeps its router config, and so its pods. */ -}}
 {{- if include "pd-inference.tracing.on" . -}}

@@ -85,7 +85,12 @@ class Cell:
         return new / best if best > 0 else (1.0 if new == 0 else float("inf"))
 
 
-def router_configs(backend: Backend, s: Slo) -> dict[str, dict[str, Any]]:
+def router_configs(
+    backend: Backend, s: Slo, interference: float = 1.0
+) -> dict[str, dict[str, Any]]:
+    """The three configurations of every cell. The goodput decision is seeded with what the run
+    measured of the engines, as a user would set it: their chunk budget and their crowding
+    (``interference - 1``: how much slower an engine decodes while the others work)."""
     base = backend.base_config()
     engines = backend.engines
     half = max(1, len(engines) // 2)
@@ -104,7 +109,10 @@ def router_configs(backend: Backend, s: Slo) -> dict[str, dict[str, Any]]:
     out["split"] = c
     c = copy.deepcopy(base)
     c["pools"] = {"layout": "flexible", "decode": {"discovery": "static", "static": engines}}
-    seed = {"chunkTokens": getattr(backend, "chunk_tokens", 0)}  # the engines' budget a step
+    seed = {
+        "chunkTokens": getattr(backend, "chunk_tokens", 0),  # the engines' budget a step
+        "crowding": round(max(0.0, interference - 1.0), 2),
+    }
     c["routing"].update(decision="goodput", goodput={**s.router(), "seed": seed})
     out["goodput"] = c
     return out
@@ -290,7 +298,7 @@ class Sweep:
             f"ITL {self.unloaded.itl * 1000:.1f} ms; "
             f"SLO {self.slo.describe()}"
         )
-        for name, cfg in router_configs(b, self.slo).items():
+        for name, cfg in router_configs(b, self.slo, self.interference).items():
             self.routers[name] = b.start_router(name, cfg)
         try:
             self.capacity = {m.name: self._capacity(m) for m in workload.MIXES if m.name in o.mixes}
