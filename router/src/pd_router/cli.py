@@ -20,6 +20,7 @@ from pd_router.config import (
     load_config,
     to_dict,
 )
+from pd_router.connectors import CONNECTORS
 
 
 def _load(path: str) -> RouterConfig:
@@ -66,7 +67,9 @@ def _announcer(cfg: RouterConfig, workers: int) -> Callable[[int], None]:
             port,
             cfg.routing.connector,
             cfg.routing.threshold,
-            cfg.lmcache.notification_receiver if cfg.routing.connector == "lmcache" else "-",
+            cfg.lmcache.notification_receiver
+            if CONNECTORS[cfg.routing.connector].notifications
+            else "-",
             workers,
         )
 

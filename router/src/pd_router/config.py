@@ -25,6 +25,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from pd_router import connectors
+
 ENV_PREFIX = "PD_ROUTER__"
 # The LMCache notification ports' defaults (the chart's ports.proxyNotification and
 # ports.notificationSidecar), one home for the config, the CLI and the sidecar.
@@ -153,8 +155,8 @@ class Goodput:
 
 @dataclass(frozen=True)
 class Routing:
-    # the chart's default (kvTransfer.connector): one default for router and chart
-    connector: Literal["lmcache", "nixl"] = "nixl"
+    # one of pd_router.connectors (its names as a Literal: the loader refuses others, naming them)
+    connector: Literal[connectors.NAMES] = connectors.DEFAULT  # type: ignore[valid-type]
     threshold: int = 1024
     session_affinity_header: str = ""
     # prefix: decoder first, disaggregate by the prompt tokens it does not hold (and bypass a
@@ -490,16 +492,23 @@ def _validate_goodput(cfg: RouterConfig) -> None:
                 f"routing.goodput.seed.{_camel(f.name)}: must be a finite number >= 0 "
                 f"(0 = the built-in prior), got {v}"
             )
-    connector = cfg.routing.connector
-    if cfg.pools.layout == "flexible" and connector != "nixl":
+
+
+def _validate_connector(cfg: RouterConfig) -> None:
+    """What the layout and the decision need of the connector (pd_router.connectors)."""
+    name = cfg.routing.connector
+    conn = connectors.CONNECTORS[name]
+    if cfg.pools.layout == "flexible" and conn.fixed_roles:
+        able = connectors.names_where(lambda c: not c.fixed_roles)
         raise ConfigError(
-            "pools.layout: flexible needs routing.connector nixl (an LMCache PD engine is a "
-            f"sender or a receiver, never both), got connector {connector!r}"
+            f"pools.layout: flexible needs routing.connector {able} ({conn.fixed_roles}), "
+            f"got connector {name!r}"
         )
-    if cfg.routing.decision == "goodput" and connector != "nixl":
+    if cfg.routing.decision == "goodput" and not conn.goodput:
+        able = connectors.names_where(lambda c: c.goodput)
         raise ConfigError(
-            "routing.decision: goodput needs routing.connector nixl (it names the prefiller "
-            f"and the decoder of each hand-off), got connector {connector!r}"
+            f"routing.decision: goodput needs routing.connector {able} (it names the prefiller "
+            f"and the decoder of each hand-off), got connector {name!r}"
         )
 
 
@@ -511,6 +520,7 @@ def _validate(cfg: RouterConfig) -> None:
     _validate_tokenizer_hub(cfg.model)
     _validate_routing(cfg)
     _validate_goodput(cfg)
+    _validate_connector(cfg)
     _validate_pools(cfg.pools)
     _validate_lmcache(cfg.lmcache)
     _validate_timeouts_and_health(cfg)
@@ -525,16 +535,19 @@ def _validate_listen(cfg: RouterConfig) -> None:
             f"listen.workers: must be between 0 (one per CPU) and {MAX_WORKERS}, "
             f"got {cfg.listen.workers}"
         )
-    if (
-        cfg.listen.workers > 1
-        and cfg.routing.connector == "lmcache"
-        and cfg.lmcache.notification_receiver == "router"
-    ):
+    if cfg.listen.workers > 1 and router_binds_notifications(cfg):
         raise ConfigError(
             "listen.workers: must be 1 with lmcache.notificationReceiver router (one process "
             "binds the notification socket); use notificationReceiver prefillSidecar to run "
             f"several, got {cfg.listen.workers}"
         )
+
+
+def router_binds_notifications(cfg: RouterConfig) -> bool:
+    """The router process itself binds the socket the prefillers notify (lmcache.notifyPort):
+    one worker only."""
+    notified = connectors.CONNECTORS[cfg.routing.connector].notifications
+    return notified and cfg.lmcache.notification_receiver == "router"
 
 
 def _validate_routing(cfg: RouterConfig) -> None:

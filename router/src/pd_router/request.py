@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pd_router.connectors import CONNECTORS
 from pd_router.costs import Job, Meter
 from pd_router.discovery import Endpoint
 from pd_router.metrics import FALLBACK_REASONS, FallbackReason, Metrics
@@ -175,7 +176,7 @@ class Outcomes:
         self._hist = {r: (m.ttft.labels(r), m.itl.labels(r), m.e2e.labels(r)) for r in ROUTES}
         self._predicted = {r: m.ttft_prediction.labels(r) for r in ROUTES}
         self._sources = {s: m.token_count_source.labels(s) for s in COUNT_SOURCES}
-        self._wait = {c: m.handoff_wait.labels(c) for c in ("nixl", "lmcache")}
+        self._wait = {c: m.handoff_wait.labels(c) for c in CONNECTORS}
 
     # ------------------------------------------------------------------ how it ended
     def first_token(self, ctx: Ctx) -> None:

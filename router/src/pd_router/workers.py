@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from pd_router.config import RouterConfig
+from pd_router.config import RouterConfig, router_binds_notifications
 
 log = logging.getLogger("pd_router")
 
@@ -68,7 +68,7 @@ def worker_count(cfg: RouterConfig) -> int:
     n = cfg.listen.workers
     if n:
         return n
-    if cfg.routing.connector == "lmcache" and cfg.lmcache.notification_receiver == "router":
+    if router_binds_notifications(cfg):
         log.warning(
             "listen.workers 0 (auto): one worker, as lmcache.notificationReceiver router binds "
             "the notification socket in one process"

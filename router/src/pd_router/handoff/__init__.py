@@ -4,9 +4,10 @@
 - :mod:`.nixl`: vLLM's NixlConnector hand-off (prefill, then decode with the returned params);
 - :mod:`.lmcache`: LMCache PD (decoder chosen first, prefill pushes the KV, decode the rest).
 
-The hand-off is chosen once, at start-up, from ``routing.connector`` (:func:`build_route`,
-which also builds what that hand-off needs: LMCache's notification waiter); no request asks
-which connector is configured, and the app knows none. A route returns the client's answer or
+The hand-off is chosen once, at start-up, from ``routing.connector``: :func:`build_route`
+asks the module pd_router.connectors names for it, whose own ``build_route`` also builds what
+that hand-off needs (LMCache's notification waiter); no request asks which connector is
+configured, and the app knows none. A route returns the client's answer or
 raises: :class:`~pd_router.request.Fallback` (the hand-off cannot serve it: one decoder does,
 its reason counted) or :class:`~pd_router.failures.LegError` while nothing was sent (no engine
 can: the client's error answer). :func:`run` is the one place that turns either into an
@@ -15,14 +16,13 @@ answer.
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 from pd_router.config import RouterConfig
+from pd_router.connectors import CONNECTORS
 from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
-from pd_router.handoff.lmcache import LMCacheRoute
-from pd_router.handoff.lmcache_notify import build_waiter
-from pd_router.handoff.nixl import NixlRoute
 from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
 from pd_router.request import Ctx, Fallback
@@ -37,12 +37,10 @@ class Route(Protocol):
 
 
 def build_route(cfg: RouterConfig, legs: Legs, direct: DirectRoute) -> Route:
-    """The disaggregated route of this router (``routing.connector``)."""
-    if cfg.routing.connector == "lmcache":
-        legs.outcomes.metrics.preset_lmcache(cfg.lmcache.notification_receiver)
-        waiter = build_waiter(cfg.lmcache, legs.up, legs.outcomes.metrics)
-        return LMCacheRoute(cfg.lmcache, legs, direct, waiter, bool(cfg.model.reasoning_parser))
-    return NixlRoute(legs, direct)
+    """The disaggregated route of this router: ``routing.connector``'s module builds it."""
+    module = importlib.import_module(CONNECTORS[cfg.routing.connector].route)
+    route: Route = module.build_route(cfg, legs, direct)
+    return route
 
 
 async def run(route: Route, direct: DirectRoute, ctx: Ctx, down: Downstream) -> Answer:

@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 
 from pd_router import revision
-from pd_router.config import LMCache
+from pd_router.config import LMCache, RouterConfig
 from pd_router.discovery import Endpoint
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
 from pd_router.handoff.direct import DirectRoute
@@ -53,7 +53,7 @@ from pd_router.handoff.lmcache_answer import (
     usage_chunk,
     whole_answer,
 )
-from pd_router.handoff.lmcache_notify import KvWaiter, Ticket
+from pd_router.handoff.lmcache_notify import KvWaiter, Ticket, build_waiter
 from pd_router.http1 import Answer
 from pd_router.lease import Lease
 from pd_router.legs import JSON, SSE_HEADERS, ClientGone, Downstream, Legs
@@ -232,6 +232,14 @@ class First:
     stop_reason: Any
     leg: dict[str, Any]
     ids: list[int]  # the prompt's ids: the plan's, or the prefiller's ``prompt_token_ids``
+
+
+def build_route(cfg: RouterConfig, legs: Legs, direct: DirectRoute) -> LMCacheRoute:
+    """The hand-off of ``routing.connector: lmcache`` (pd_router.connectors), with its
+    notification waiter and the counters of the receiver in use."""
+    legs.outcomes.metrics.preset_lmcache(cfg.lmcache.notification_receiver)
+    waiter = build_waiter(cfg.lmcache, legs.up, legs.outcomes.metrics)
+    return LMCacheRoute(cfg.lmcache, legs, direct, waiter, bool(cfg.model.reasoning_parser))
 
 
 class LMCacheRoute:

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from pd_router import revision
+from pd_router.config import RouterConfig
 from pd_router.handoff.direct import DirectRoute
 from pd_router.http1 import Answer
 from pd_router.legs import Downstream, Legs
@@ -61,6 +62,12 @@ def decode_body(body: dict[str, Any], kvp: dict[str, Any]) -> dict[str, Any]:
     req = dict(body)
     req["kv_transfer_params"] = kvp
     return req
+
+
+def build_route(cfg: RouterConfig, legs: Legs, direct: DirectRoute) -> NixlRoute:
+    """The hand-off of ``routing.connector: nixl`` (pd_router.connectors): nothing to build
+    but the route."""
+    return NixlRoute(legs, direct)
 
 
 class NixlRoute:
