@@ -103,7 +103,7 @@ per-role template (StatefulSets, LeaderWorkerSets, Services, ConfigMaps, PDBs, a
 NetworkPolicies and their peers, the PodMonitor, the KV revision, the zone affinity, the checks)
 ranges over it, so the layout's rule lives here alone. split: prefill and decode. flexible:
 decode alone, each engine of it a decode engine that also prefills for another
-(engine/_kv.tpl kv_both). Use: range $role := include "pd-inference.engineRoles" $ | fromJsonArray
+(templates/_connectors.tpl kv_both). Use: range $role := include "pd-inference.engineRoles" $ | fromJsonArray
 */}}
 {{- define "pd-inference.engineRoles" -}}
 {{- if include "pd-inference.flexible" . -}}
@@ -231,14 +231,14 @@ checks the two agree; batch is left out: the test sends single requests).
 {{- concat $decided $fallbacks | toJson -}}
 {{- end -}}
 
-{{/* "true" when the router itself receives LMCache notifications (and so must be a single replica). */}}
+{{/* "true" when the router itself receives the prefillers' KV-landed notifications (and so must be a single replica). */}}
 {{- define "pd-inference.routerReceivesNotifications" -}}
-{{- if and (eq .Values.kvTransfer.connector "lmcache") (eq .Values.kvTransfer.lmcache.notificationReceiver "router") -}}true{{- end -}}
+{{- if and (include "pd-inference.connector" . | fromJson).notifications (eq .Values.kvTransfer.lmcache.notificationReceiver "router") -}}true{{- end -}}
 {{- end -}}
 
-{{/* "true" when every prefill pod runs the LMCache notification sidecar. */}}
+{{/* "true" when every prefill pod runs the notification sidecar (it receives the prefiller's KV-landed notifications). */}}
 {{- define "pd-inference.notificationSidecar" -}}
-{{- if and (eq .Values.kvTransfer.connector "lmcache") (eq .Values.kvTransfer.lmcache.notificationReceiver "prefillSidecar") -}}true{{- end -}}
+{{- if and (include "pd-inference.connector" . | fromJson).notifications (eq .Values.kvTransfer.lmcache.notificationReceiver "prefillSidecar") -}}true{{- end -}}
 {{- end -}}
 
 {{/*

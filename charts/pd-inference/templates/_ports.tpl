@@ -2,7 +2,8 @@
 ONE port model: every port a component's pods listen on, in the order containers, Services and
 NetworkPolicies list them. Container ports, Service ports, NetworkPolicy ingress and egress rules,
 the router config, the LMCache configs, the engine command lines and the collision check in
-_validate.tpl all take their ports from here; no other template derives a port from `ports.*`.
+_validate.tpl all take their ports from here; no other template derives a port from `ports.*`
+but the connectors' own pieces this model calls (templates/_connectors.tpl).
 
 Call with (dict "ctx" $ "component" "decode"); returns a JSON list of
   name         port name, as containers and Services call it (at most 15 characters)
@@ -14,16 +15,18 @@ Call with (dict "ctx" $ "component" "decode"); returns a JSON list of
                NetworkPolicyPeer lists (networkPolicy.metricsFrom), or "any"; empty = nobody
   doc          the comment of its NetworkPolicy rule; consecutive ports with the same doc and
                peers share one rule. serviceDoc: a comment on its Service port
-Optional keys give the ports of another mode: "connector" (nixl | lmcache), "receiver" (the
-LMCache notification receiver, router | prefillSidecar), "metricsProxy" (true | false) and
-"kvEvents" (true | false, engine.kvEvents.enabled). The router config names the ports of every
-mode, and _validate.tpl checks both connectors, with the metrics proxy and the KV events on.
+Optional keys give the ports of another mode: "connector" (a name of templates/_connectors.tpl),
+"receiver" (the LMCache notification receiver, router | prefillSidecar), "metricsProxy" (true |
+false) and "kvEvents" (true | false, engine.kvEvents.enabled). The router config names the ports
+of every mode, and _validate.tpl checks every connector, with the metrics proxy and the KV events on.
+A connector's own ports come from its piece pd-inference.connectors.<name>.ports, after the
+component's API, metrics and KV-event ports.
 */}}
 {{- define "pd-inference.ports" -}}
 {{- $v := .ctx.Values -}}
 {{- $c := .component -}}
-{{- $lmcache := eq (.connector | default $v.kvTransfer.connector) "lmcache" -}}
-{{- $receiver := .receiver | default $v.kvTransfer.lmcache.notificationReceiver -}}
+{{- $connector := .connector | default $v.kvTransfer.connector -}}
+{{- $own := dict "ctx" .ctx "component" $c "receiver" (.receiver | default "") -}}
 {{- $proxy := ternary .metricsProxy $v.engine.metricsProxy.enabled (hasKey . "metricsProxy") -}}
 {{- $kvEvents := ternary .kvEvents $v.engine.kvEvents.enabled (hasKey . "kvEvents") -}}
 {{- $metricsFrom := $v.networkPolicy.metricsFrom -}}
@@ -34,9 +37,7 @@ mode, and _validate.tpl checks both connectors, with the metrics proxy and the K
 {{- $from = list "networkPolicy.routerIngressFrom" "networkPolicy.metricsFrom" "helm-test" -}}
 {{- end -}}
 {{- $p = append $p (dict "name" "http" "port" (int $v.ports.routerHttp) "field" "ports.routerHttp" "container" "router" "service" true "servicePort" (int $v.router.service.port) "from" $from "doc" "Clients: the OpenAI API.") -}}
-{{- if and $lmcache (eq $receiver "router") -}}
-{{- $p = append $p (dict "name" "pd-notify" "port" (int $v.ports.proxyNotification) "field" "ports.proxyNotification" "container" "router" "service" true "from" (list "prefill") "doc" "Prefillers' KV-landed notifications." "serviceDoc" "Prefillers PUSH their KV-landed notifications (LMCache ProxyNotif over ZMQ) here.") -}}
-{{- end -}}
+{{- $p = concat $p (include (printf "pd-inference.connectors.%s.ports" $connector) $own | fromJsonArray) -}}
 {{- else -}}
 {{- /* Who moves KV with this role's pods: the other role (split), or the other engines of its own
 role (flexible: each prefills for another and decodes what another prefilled). */ -}}
@@ -59,27 +60,7 @@ role (flexible: each prefills for another and decodes what another prefilled). *
 {{- $p = append $p (dict "name" "kv-events" "port" (int $v.ports.kvEvents) "field" "ports.kvEvents" "container" "vllm" "service" false "from" (list "router") "doc" $doc) -}}
 {{- $p = append $p (dict "name" "kv-replay" "port" (int $v.ports.kvEventsReplay) "field" "ports.kvEventsReplay" "container" "vllm" "service" false "from" (list "router") "doc" $doc) -}}
 {{- end -}}
-{{- if and $lmcache (eq $c "decode") -}}
-{{- $doc := "LMCache NIXL handshake and buffer allocation, one port pair per TP rank, from prefillers." -}}
-{{- range $rank := until (int $v.decode.tensorParallelSize) -}}
-{{- $p = append $p (dict "name" (printf "lmc-init-%d" $rank) "port" (add $v.ports.lmcacheInitBase $rank) "field" "ports.lmcacheInitBase" "rank" $rank "container" "vllm" "service" true "from" (list "prefill") "doc" $doc) -}}
-{{- $p = append $p (dict "name" (printf "lmc-alloc-%d" $rank) "port" (add $v.ports.lmcacheAllocBase $rank) "field" "ports.lmcacheAllocBase" "rank" $rank "container" "vllm" "service" true "from" (list "prefill") "doc" $doc) -}}
-{{- end -}}
-{{- end -}}
-{{- if and $lmcache (eq $c "prefill") (eq $receiver "prefillSidecar") -}}
-{{- $p = append $p (dict "name" "notify-sidecar" "port" (int $v.ports.notificationSidecar) "field" "ports.notificationSidecar" "container" "notify-sidecar" "service" true "from" (list "router") "doc" "The notification sidecar, asked by the router whether a request's KV has landed.") -}}
-{{- /* The sidecar's ZMQ PULL socket, on 127.0.0.1: the pod's prefiller pushes there (pd_proxy_port). */ -}}
-{{- $p = append $p (dict "name" "notify-zmq" "port" (int $v.ports.proxyNotification) "field" "ports.proxyNotification" "container" "" "service" false "from" list "doc" "") -}}
-{{- end -}}
-{{- if not $lmcache -}}
-{{- $p = append $p (dict "name" "nixl-side" "port" (int $v.ports.nixlSideChannel) "field" "ports.nixlSideChannel" "container" "vllm" "service" true "from" (list $other) "doc" (printf "vLLM NixlConnector side channel (handshake metadata), from %s." $otherDoc)) -}}
-{{- $dp := int ((get $v $c).dataParallelSize | default 1) -}}
-{{- if gt $dp 1 -}}
-{{- /* Data-parallel rank i's side channel listens on ports.nixlSideChannel + i, on the pod that runs it
-(vLLM 0.31.0 / 0.33.0, nixl/base_scheduler.py); the router reaches only the API, so only the range's rule. */ -}}
-{{- $p = append $p (dict "name" "nixl-side-dp" "port" (add $v.ports.nixlSideChannel 1) "endPort" (add $v.ports.nixlSideChannel (sub $dp 1)) "field" "ports.nixlSideChannel" "container" "" "service" false "from" (list $other) "doc" (printf "The side channels of data-parallel ranks 1 and up (ports.nixlSideChannel + rank), from %s." $otherDoc)) -}}
-{{- end -}}
-{{- end -}}
+{{- $p = concat $p (include (printf "pd-inference.connectors.%s.ports" $connector) (merge (dict "other" $other "otherDoc" $otherDoc) $own) | fromJsonArray) -}}
 {{- if and $v.networkPolicy.allowEphemeralKvPorts (eq (include "pd-inference.nixlBackend" .ctx) "UCX") -}}
 {{- $p = append $p (dict "name" "ucx-tcp" "port" 1024 "endPort" 65535 "field" "networkPolicy.allowEphemeralKvPorts" "container" "" "service" false "from" (list $other) "doc" (printf "UCX over TCP moves KV on ephemeral ports; only %s may use them. (Not with EFA:\nLIBFABRIC's RDMA bypasses the kernel and needs no rule.)" $otherDoc)) -}}
 {{- end -}}

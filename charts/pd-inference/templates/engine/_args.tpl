@@ -95,7 +95,6 @@ Call with (dict "ctx" $ "role" "prefill").
 
 {{- define "pd-inference.engineEnv" -}}
 {{- $v := .ctx.Values -}}
-{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
 - name: POD_IP
   valueFrom:
     fieldRef:
@@ -122,22 +121,9 @@ Call with (dict "ctx" $ "role" "prefill").
 - name: HF_ENDPOINT
   value: {{ . | quote }}
 {{- end }}
-{{- if $lmcache }}
-- name: LMCACHE_CONFIG_FILE
-  value: /etc/lmcache/lmcache.yaml
-{{- else }}
-# NixlConnector's side channel: bind on, and advertise, this pod's IP.
-- name: VLLM_NIXL_SIDE_CHANNEL_HOST
-  value: $(POD_IP)
-- name: VLLM_NIXL_SIDE_CHANNEL_PORT
-  value: {{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "nixl-side") | quote }}
-# NixlConnector moves a hybrid model's Mamba/Gated-DeltaNet conv state only in the
-# (dim, state_len) layout; without this vLLM 0.31/0.33 assert at start-up
-# (kv_connector/v1/nixl/base_worker.py: "Set VLLM_SSM_CONV_STATE_LAYOUT=DS"). Set on every
-# NIXL engine, as vLLM's CPU platform does (platforms/cpu.py): only Mamba-type layers
-# read it, and a hybrid model the chart does not recognise by name still starts.
-- name: VLLM_SSM_CONV_STATE_LAYOUT
-  value: DS
+{{- /* The connector's own (templates/_connectors.tpl). */}}
+{{- with include (printf "pd-inference.connectors.%s.env" $v.kvTransfer.connector) . }}
+{{ . }}
 {{- end }}
 {{- if gt (int ((get $v .role).nodes | default 1)) 1 }}
 # A multi-node engine: torch.distributed and vLLM's data-parallel sockets between the group's pods

@@ -8,42 +8,12 @@ Protocol facts checked against (see ../shared/design/pd-protocols.md):
   unknown by LMCache, so they are never rendered and tests/ check every key against 0.5.6's list.
   save_unfull_chunk is rendered true: LMCache 0.5.6 forces it for enable_pd (with a warning on
   every start) because a dropped partial last chunk would leave the decoder with incomplete KV.
-- kv-transfer-config shapes (LMCacheConnectorV1, NixlConnector with top-level
-  kv_load_failure_policy, kv_buffer_device and kv_connector_extra_config.backends): vLLM 0.31.0
-  and 0.33.0 (KVTransferConfig; tests/engines/ parses every rendered one with both, and
-  tests/real_engine/ serves the dev environment's with vLLM 0.31.0's CPU build).
+- kv-transfer-config shapes: with each connector's own, in templates/_connectors.tpl.
 */}}
 
-{{/* --kv-transfer-config for a role, as JSON. Call with (dict "ctx" $ "role" "prefill"). */}}
+{{/* --kv-transfer-config for a role, as JSON: the connector's own (templates/_connectors.tpl). Call with (dict "ctx" $ "role" "prefill"). */}}
 {{- define "pd-inference.kvTransferConfig" -}}
-{{- $v := .ctx.Values -}}
-{{- $cfg := dict -}}
-{{- if eq $v.kvTransfer.connector "lmcache" -}}
-{{- $extra := dict "discard_partial_chunks" false -}}
-{{- if eq .role "prefill" -}}
-{{- $_ := set $extra "lmcache_rpc_port" "producer1" -}}
-{{- $cfg = dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_producer" "kv_connector_extra_config" $extra -}}
-{{- else -}}
-{{- $_ := set $extra "lmcache_rpc_port" "consumer1" -}}
-{{- $_ := set $extra "skip_last_n_tokens" 1 -}}
-{{- $cfg = dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_consumer" "kv_connector_extra_config" $extra -}}
-{{- end -}}
-{{- else -}}
-{{- $extra := dict "backends" (list (include "pd-inference.nixlBackend" .ctx)) -}}
-{{- /* Split: producer on prefill, consumer on decode. vLLM 0.31 and 0.33 deprecate kv_both for
-NixlConnector ("set kv_producer for prefill instances and kv_consumer for decode instances",
-kv_connector/v1/nixl/connector.py); a consumer still serves whole requests (short prompts,
-fallbacks). Flexible (engine.layout): kv_both all the same, on the decode engines, the only
-ones: each prefills for another and decodes what another prefilled, and an engine that takes
-either part needs kv_both; those vLLM versions log their deprecation warning for it at start-up
-and run it. */ -}}
-{{- $role := ternary "kv_producer" "kv_consumer" (eq .role "prefill") -}}
-{{- if include "pd-inference.flexible" .ctx -}}
-{{- $role = "kv_both" -}}
-{{- end -}}
-{{- $cfg = dict "kv_connector" "NixlConnector" "kv_role" $role "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra -}}
-{{- end -}}
-{{- toJson $cfg -}}
+{{- include (printf "pd-inference.connectors.%s.kvTransferConfig" .ctx.Values.kvTransfer.connector) . -}}
 {{- end -}}
 
 {{/* LMCache config file for a role, as a YAML document. Call with (dict "ctx" $ "role" "prefill"). */}}

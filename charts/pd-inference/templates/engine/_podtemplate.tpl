@@ -11,7 +11,6 @@ preStop wait, no sidecars.
 {{- $r := get $v $role }}
 {{- $ := .ctx }}
 {{- $ctx := dict "ctx" $ "component" $role }}
-{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
 {{- $worker := eq .member "worker" -}}
 {{- $pod := dict "ctx" $ "role" $role "member" .member -}}
 metadata:
@@ -53,7 +52,7 @@ spec:
         - {{ include "pd-inference.preflightDir" $ }}/preflight.py
         - --connector={{ $v.kvTransfer.connector }}
         - --backend={{ include "pd-inference.nixlBackend" $ }}
-        - --buffer-device={{ ternary $v.kvTransfer.lmcache.bufferDevice $v.kvTransfer.nixl.bufferDevice $lmcache }}
+        - --buffer-device={{ (get $v.kvTransfer $v.kvTransfer.connector).bufferDevice }}
         - --buffer-field=kvTransfer.{{ $v.kvTransfer.connector }}.bufferDevice
         - --efa-devices={{ ternary (int $v.efa.devices) 0 $v.efa.enabled }}
         - --checked-vllm={{ index $.Chart.Annotations "pd-inference.io/checked-vllm" }}

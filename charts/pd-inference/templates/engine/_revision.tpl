@@ -47,8 +47,10 @@ everything only the router reads (a router or alert change restarts no engine).
   "backend" (include "pd-inference.nixlBackend" .)
   "flags" $flags
 -}}
-{{- if eq $v.kvTransfer.connector "lmcache" -}}
-{{- $_ := set $in "lmcacheChunkSize" (int $v.kvTransfer.lmcache.chunkSize) -}}
+{{- /* The connector's own inputs (templates/_connectors.tpl kvRevision: LMCache's chunk size). */ -}}
+{{- $connector := include "pd-inference.connector" . | fromJson -}}
+{{- range $key, $value := $connector.kvRevision -}}
+{{- $_ := set $in $key (int (get (get $v.kvTransfer $connector.name) $value)) -}}
 {{- end -}}
 {{- /* Only in flexible, so a split release keeps its revision. The layout sets every engine's
 kv_role (kv_both), which vLLM's scheduler acts on (is_kv_producer, is_kv_consumer in

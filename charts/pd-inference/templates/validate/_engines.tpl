@@ -2,7 +2,7 @@
 
 {{- define "pd-inference.validate.roles" -}}
 {{- $v := .Values -}}
-{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- $connector := include "pd-inference.connector" . | fromJson -}}
 {{- $instanceTypes := include "pd-inference.instanceTypes" . | fromYaml -}}
 {{- /* The roles that render: what is not rendered needs no check. */ -}}
 {{- range $role := include "pd-inference.engineRoles" . | fromJsonArray -}}
@@ -78,8 +78,8 @@ vLLM's drain, or the requests it is finishing die with it. */ -}}
 {{- $nodes := int $r.nodes -}}
 {{- $dp := int $r.dataParallelSize -}}
 {{- $gpus := mul (int $r.tensorParallelSize) $dp -}}
-{{- if and $lmcache (or (gt $nodes 1) (gt $dp 1)) -}}
-{{- fail (printf "%s: kvTransfer.connector lmcache serves one-node engines of one data-parallel rank: LMCache PD's config names one decoder host per engine with one receiver port per TP rank (vLLM ranks on other pods, or other DP ranks, are not addressed); use kvTransfer.connector: nixl" (ternary (printf "%s.nodes" $role) (printf "%s.dataParallelSize" $role) (gt $nodes 1))) -}}
+{{- if and $connector.oneRankEngines (or (gt $nodes 1) (gt $dp 1)) -}}
+{{- fail (printf "%s: kvTransfer.connector %s serves one-node engines of one data-parallel rank: %s; use kvTransfer.connector: %s" (ternary (printf "%s.nodes" $role) (printf "%s.dataParallelSize" $role) (gt $nodes 1)) $connector.name $connector.oneRankEngines (include "pd-inference.connectorsWhere" (dict "ctx" $ "fact" "oneRankEngines" "set" false))) -}}
 {{- end -}}
 {{- if ne (mod $gpus $nodes) 0 -}}
 {{- fail (printf "%s.nodes: %d nodes cannot share the engine's %d GPUs (tensorParallelSize %d x dataParallelSize %d) evenly; vLLM splits its world size evenly over --nnodes" $role $nodes $gpus (int $r.tensorParallelSize) $dp) -}}

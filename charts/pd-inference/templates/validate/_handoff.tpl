@@ -2,27 +2,28 @@
 
 {{- define "pd-inference.validate.model" -}}
 {{- $v := .Values -}}
-{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- $connector := include "pd-inference.connector" . | fromJson -}}
 {{- /*
-What the pinned vLLM can serve. LMCacheConnectorV1 does not implement vLLM's SupportsHMA (vLLM
-0.31.0 and 0.33.0: kv_connector/v1/lmcache_connector.py), so with a hybrid model vLLM turns the
-hybrid KV-cache manager off and the model fails at start-up or when a request finishes (the
-scheduler asserts one KV-cache group). NixlConnector implements SupportsHMA. The real-engine tier
-(tests/engines/) checks both facts against the installed vLLM versions.
+What the pinned vLLM can serve (templates/_connectors.tpl hybridModels). LMCacheConnectorV1 does
+not implement vLLM's SupportsHMA (vLLM 0.31.0 and 0.33.0: kv_connector/v1/lmcache_connector.py),
+so with a hybrid model vLLM turns the hybrid KV-cache manager off and the model fails at start-up
+or when a request finishes (the scheduler asserts one KV-cache group). NixlConnector implements
+SupportsHMA. The real-engine tier (tests/engines/) checks both facts against the installed vLLM
+versions.
 */ -}}
-{{- if and $lmcache (eq (include "pd-inference.hybridModel" .) "true") -}}
+{{- if and (not $connector.hybridModels) (eq (include "pd-inference.hybridModel" .) "true") -}}
 {{- $why := ternary "model.attention is hybrid" "model.name is a hybrid model family (linear-attention or Mamba layers besides attention; set model.attention: full only if this model has attention in every layer)" (eq $v.model.attention "hybrid") -}}
-{{- fail (printf "kvTransfer.connector: lmcache cannot serve %s: %s, and vLLM's LMCacheConnectorV1 does not support hybrid KV-cache models (no SupportsHMA in vLLM %s); use kvTransfer.connector: nixl, or a full-attention model" $v.model.name $why (index .Chart.Annotations "pd-inference.io/checked-vllm" | replace "," ", ")) -}}
+{{- fail (printf "kvTransfer.connector: %s cannot serve %s: %s, and vLLM's %s does not support hybrid KV-cache models (no SupportsHMA in vLLM %s); use kvTransfer.connector: %s, or a full-attention model" $connector.name $v.model.name $why $connector.vllmConnector (index .Chart.Annotations "pd-inference.io/checked-vllm" | replace "," ", ") (include "pd-inference.connectorsWhere" (dict "ctx" . "fact" "hybridModels" "set" true))) -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "pd-inference.validate.layout" -}}
 {{- $v := .Values -}}
-{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- $connector := include "pd-inference.connector" . | fromJson -}}
 {{- /* The flexible layout (engine.layout): one pool of decode engines, each NixlConnector kv_both. */ -}}
 {{- if include "pd-inference.flexible" . -}}
-{{- if $lmcache -}}
-{{- fail "kvTransfer.connector: lmcache cannot serve engine.layout flexible: an LMCache PD engine is a sender or a receiver (pd_role), never both, and a flexible engine takes either part; use kvTransfer.connector: nixl, or engine.layout: split" -}}
+{{- if $connector.fixedRoles -}}
+{{- fail (printf "kvTransfer.connector: %s cannot serve engine.layout flexible: %s, and a flexible engine takes either part; use kvTransfer.connector: %s, or engine.layout: split" $connector.name $connector.fixedRoles (include "pd-inference.connectorsWhere" (dict "ctx" . "fact" "fixedRoles" "set" false))) -}}
 {{- end -}}
 {{- if gt (int $v.prefill.replicas) 0 -}}
 {{- fail (printf "prefill.replicas: %d prefill engines with engine.layout flexible; set prefill.replicas: 0, every engine is a decode engine that also prefills (decode.replicas counts them)" (int $v.prefill.replicas)) -}}
@@ -39,31 +40,33 @@ real-engine tier runs one-node engines of one rank with it): refused until it is
 {{- fail (printf "decode.dataParallelSize: %d data-parallel ranks with engine.layout flexible; data-parallel engines are not checked with NixlConnector kv_both, so set decode.dataParallelSize: 1 (or engine.layout: split)" (int $v.decode.dataParallelSize)) -}}
 {{- end -}}
 {{- end -}}
-{{- /* The goodput decision names the prefiller and the decoder of each hand-off: NIXL only (pd_router.config). */ -}}
-{{- if and $lmcache (eq $v.router.decision "goodput") -}}
-{{- fail "router.decision: goodput needs kvTransfer.connector: nixl, as the router does (it names the prefiller and the decoder of each hand-off); use kvTransfer.connector: nixl, or router.decision: prefix or length" -}}
+{{- /* The goodput decision names the prefiller and the decoder of each hand-off: the connectors with goodput (pd_router.config). */ -}}
+{{- if and (not $connector.goodput) (eq $v.router.decision "goodput") -}}
+{{- $able := include "pd-inference.connectorsWhere" (dict "ctx" . "fact" "goodput" "set" true) -}}
+{{- fail (printf "router.decision: goodput needs kvTransfer.connector: %s, as the router does (it names the prefiller and the decoder of each hand-off); use kvTransfer.connector: %s, or router.decision: prefix or length" $able $able) -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "pd-inference.validate.notifications" -}}
 {{- $v := .Values -}}
-{{- $lmcache := eq $v.kvTransfer.connector "lmcache" -}}
+{{- $connector := include "pd-inference.connector" . | fromJson -}}
+{{- $unnotified := include "pd-inference.connectorsWhere" (dict "ctx" . "fact" "notifications" "set" false) -}}
 {{- /* One notification host in LMCache mode: several routers would miss each other's notifications. */ -}}
 {{- $single := eq (include "pd-inference.routerReceivesNotifications" .) "true" -}}
 {{- if and $single (gt (int $v.router.replicas) 1) -}}
-{{- fail (printf "router.replicas: %d router replicas need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router (pd_proxy_host)" (int $v.router.replicas)) -}}
+{{- fail (printf "router.replicas: %d router replicas need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=%s); with notificationReceiver=router the prefillers notify a single router (pd_proxy_host)" (int $v.router.replicas) $unnotified) -}}
 {{- end -}}
 {{- if lt (int $v.router.health.maxEjectionSeconds) (int $v.router.health.ejectionSeconds) -}}
 {{- fail (printf "router.health.maxEjectionSeconds: must be >= router.health.ejectionSeconds (%d), got %d" (int $v.router.health.ejectionSeconds) (int $v.router.health.maxEjectionSeconds)) -}}
 {{- end -}}
 {{- if and $single (gt (int $v.router.workers) 1) -}}
-{{- fail (printf "router.workers: %d worker processes need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router one process binds the notification socket" (int $v.router.workers)) -}}
+{{- fail (printf "router.workers: %d worker processes need kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=%s); with notificationReceiver=router one process binds the notification socket" (int $v.router.workers) $unnotified) -}}
 {{- end -}}
 {{- if and $single $v.router.autoscaling.enabled -}}
-{{- fail "router.autoscaling.enabled: router autoscaling needs kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=nixl); with notificationReceiver=router the prefillers notify a single router" -}}
+{{- fail (printf "router.autoscaling.enabled: router autoscaling needs kvTransfer.lmcache.notificationReceiver=prefillSidecar (or kvTransfer.connector=%s); with notificationReceiver=router the prefillers notify a single router" $unnotified) -}}
 {{- end -}}
-{{- if and $lmcache (ne (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
-{{- fail (printf "decode.tensorParallelSize: LMCache PD sends one KV shard and one notification per TP rank, so prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d) must be equal" (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
+{{- if and $connector.equalTensorParallel (ne (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
+{{- fail (printf "decode.tensorParallelSize: %s, so prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d) must be equal" $connector.equalTensorParallel (int $v.prefill.tensorParallelSize) (int $v.decode.tensorParallelSize)) -}}
 {{- end -}}
 {{- end -}}
 

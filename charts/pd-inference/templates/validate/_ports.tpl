@@ -1,13 +1,19 @@
 {{/*
 Ports (templates/_ports.tpl): a per-rank port past 65535, or two ports of one pod on the same
-number, in the pods that render (pd-inference.engineRoles and the router). Checked for both
-connectors, the metrics proxy and the KV-cache event ports included, so that switching any of them
-later cannot collide.
+number, in the pods that render (pd-inference.engineRoles and the router). Checked for every
+connector (templates/_connectors.tpl), the release's first, the metrics proxy and the KV-cache
+event ports included, so that switching any of them later cannot collide.
 */}}
 {{- define "pd-inference.validate.ports" -}}
 {{- $v := .Values -}}
 {{- $current := $v.kvTransfer.connector -}}
-{{- range $connector := list $current (ternary "nixl" "lmcache" (eq $current "lmcache")) -}}
+{{- $connectors := list $current -}}
+{{- range $name, $_ := include "pd-inference.connectors" $ | fromJson -}}
+{{- if ne $name $current -}}
+{{- $connectors = append $connectors $name -}}
+{{- end -}}
+{{- end -}}
+{{- range $connector := $connectors -}}
 {{- $mode := ternary "" (printf " with kvTransfer.connector %s" $connector) (eq $connector $current) -}}
 {{- range $component := append (include "pd-inference.engineRoles" $ | fromJsonArray) "router" -}}
 {{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true "kvEvents" true) | fromJsonArray -}}
