@@ -54,6 +54,7 @@ from typing import Any
 
 import yaml
 from pd_router import config as router_config
+from pd_router import connectors as router_connectors
 
 from ci import lib
 
@@ -149,6 +150,9 @@ TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     # the router's own start-up rules (pd_router.config), so a value it would refuse never renders
     "httpHeaderName": {"pattern": f"^({router_config.HEADER_NAME_RE})?$"},
     "routerMaxBodyBytes": {"minimum": router_config.MIN_MAX_BODY_BYTES},
+    # the KV hand-off connectors the router speaks (pd_router.connectors); templates/_connectors.tpl
+    # lists the same ones, and tests/test_connectors.py fails when the two differ
+    "connector": {"type": "string", "enum": list(router_connectors.NAMES)},
     # the LMCache 0.5.6 keys (ci/data/) less the chart-owned ones (files/lmcache-chart-owned-keys.txt)
     "lmcacheExtraConfig": _lmcache_extra_config,
 }
