@@ -26,17 +26,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pd_router import balancing, hub_tokenizer, revision, tracing
+from pd_router import balancing, hub_tokenizer, revision, tracing, wiring
 from pd_router.admission import Admission, Reject
-from pd_router.auth import ApiKeys
 from pd_router.config import ConfigError, RouterConfig
-from pd_router.costs import CostModel
 from pd_router.decide import Decider, Pools
 from pd_router.discovery import EndpointPool
 from pd_router.failures import TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route, run
 from pd_router.http1 import Answer, BodyError, HttpServer, Request, Response, Routes
-from pd_router.kv_events import KvEventIndex
 from pd_router.legs import Downstream, Legs
 from pd_router.logs import AccessLog
 from pd_router.metrics import MULTIPROC_ENV, Metrics
@@ -72,49 +69,13 @@ def error_response(status: int, message: str, etype: str, headers: Any = None) -
 
 class Router:
     def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None) -> None:
+        """Assembles what pd_router.wiring builds from ``cfg``."""
         self.cfg = cfg
         self.metrics = m = metrics or Metrics()
-
-        routing = cfg.routing
-        # the engines' KV events (pd_router.kv_events): only the prefix decision reads them
-        kv = (
-            routing.kv_events
-            if routing.kv_events.enabled and routing.decision == "prefix"
-            else None
-        )
-        self.events = (
-            KvEventIndex(kv, lambda p, st, n: m.kv_event_engines.labels(p, st).set(n))
-            if kv is not None
-            else None
-        )
-
-        def on_pool_change(pool: EndpointPool) -> None:
-            m.pool_changed(pool.name, len(pool.healthy), len(pool.endpoints), pool.healthy)
-            if self.events is not None:
-                self.events.sync(pool.name, pool.healthy)
-
-        self.decode = EndpointPool(
-            "decode", cfg.pools.decode, cfg.health, on_pool_change, cfg.model.served_name, kv
-        )
-        # pools.layout flexible: one pool, its engines in both roles (the legs, the hand-off
-        # and the decision see the same endpoints as prefillers and decoders)
-        self.prefill = (
-            self.decode
-            if cfg.pools.layout == "flexible"
-            else EndpointPool(
-                "prefill", cfg.pools.prefill, cfg.health, on_pool_change, cfg.model.served_name, kv
-            )
-        )
-        self.pools = (self.decode,) if self.prefill is self.decode else (self.prefill, self.decode)
-        self.keys = ApiKeys(cfg.auth.api_keys_file)
-        self.metrics_tokens = ApiKeys(
-            cfg.auth.metrics_tokens_file, field="auth.metricsTokensFile", env_var=""
-        )
-        if cfg.auth.protect_metrics and not (self.keys.enabled or self.metrics_tokens.enabled):
-            log.warning(
-                "auth.protectMetrics is on but no API key or metrics token is configured: "
-                "/metrics is open"
-            )
+        self.events = wiring.kv_event_index(cfg, m)
+        self.prefill, self.decode = wiring.pools(cfg, self._pool_changed, self.events)
+        self.pools = wiring.each_pool(self.prefill, self.decode)
+        self.keys, self.metrics_tokens = wiring.api_keys(cfg)
         self.counter = TokenCounter(cfg.model.tokenizer, cfg.model.served_name)
         self.admission = Admission(cfg.limits, m)
         self.outcomes = Outcomes(m)
@@ -123,15 +84,7 @@ class Router:
         self.legs = Legs(
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, self.served_model
         )
-        # the goodput decision's cost model (pd_router.costs), learnt from the legs' calls
-        self.costs = (
-            CostModel(
-                routing.goodput,
-                report=lambda engine, what, v: m.engine_costs.labels(engine, what).set(v),
-            )
-            if routing.decision == "goodput"
-            else None
-        )
+        self.costs = wiring.cost_model(cfg, m)
         self.decider = Decider(cfg.routing, self.counter, self.events, self.costs)
         self.decider.base_names = (cfg.model.served_name,)
         # The hand-off is chosen once, here (routing.connector), with all it needs.
@@ -143,13 +96,13 @@ class Router:
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
         self.access_log = AccessLog(log)  # after logs.setup: the level decides
-        # OpenTelemetry traces (tracing.endpoint): None when off, and then nothing is recorded
-        self.tracer = (
-            tracing.Tracer(cfg.tracing, lambda outcome, n: m.trace_spans.labels(outcome).inc(n))
-            if cfg.tracing.endpoint
-            else None
-        )
+        self.tracer = wiring.tracer(cfg, m)
         self._bg: list[asyncio.Task[None]] = []
+
+    def _pool_changed(self, pool: EndpointPool) -> None:
+        self.metrics.pool_changed(pool.name, len(pool.healthy), len(pool.endpoints), pool.healthy)
+        if self.events is not None:
+            self.events.sync(pool.name, pool.healthy)
 
     # ------------------------------------------------------------------ lifecycle
     async def _load_hub_tokenizer(self) -> None:

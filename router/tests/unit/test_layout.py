@@ -203,3 +203,13 @@ def test_the_dev_package_reaches_no_other_folder_by_path() -> None:
         bad = [i for i in _imports(tree) if i.split(".")[0] in ("ci", "tests")]
         assert not bad, (f.name, bad)
         assert "sys.path" not in f.read_text(), f.name
+
+
+def test_the_router_is_assembled_not_decided_in_its_constructor() -> None:
+    """Every choice the config makes is pd_router.wiring's: ``Router.__init__`` holds no
+    ``if``, so a new option lands there, not in the HTTP surface."""
+    tree = ast.parse((RUNTIME / "app.py").read_text())
+    router = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Router")
+    init = next(n for n in router.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    branches = [n.lineno for n in ast.walk(init) if isinstance(n, ast.If | ast.IfExp)]
+    assert branches == []
