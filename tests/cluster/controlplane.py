@@ -32,6 +32,7 @@ MANIFEST = ROOT / ".tools" / "kube.json"
 STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 START_SECONDS = 120  # a deadline for a broken start, not a timing assertion
 REQUEST_TIMEOUT = "60s"  # every kubectl call
+HOLD = "pd-inference.test/held-terminating"  # the finalizer delete_pod_held holds a pod with
 
 
 def manifest() -> dict[str, Any]:
@@ -346,6 +347,27 @@ class ControlPlane:
             if time.monotonic() > end:
                 raise AssertionError(f"never happened: {what}")
             time.sleep(0.2)
+
+    def pod_going(self, ns: str, name: str, uid: str) -> bool:
+        """The pod `name` that had `uid` is being deleted, or gone (a new one may have its name)."""
+        pods = self.get("pods", "-n", ns, "--field-selector", f"metadata.name={name}")["items"]
+        return not pods or pods[0]["metadata"]["uid"] != uid or "deletionTimestamp" in pods[0]["metadata"]
+
+    def delete_pod_held(self, ns: str, name: str, until: str, cond: Any) -> Any:
+        """Delete a pod and keep it Terminating until `cond()` holds, as a kubelet does for the
+        pod's grace period; kwok's stage deletes it at once. Controllers that react to a pod's
+        deletionTimestamp (LWS's group restart reads it from its cache: lws v0.9.0
+        pod_controller.go, handleRestartPolicy) see it for as long as they need, however loaded
+        the machine; without the hold the pod could be gone from the cache before the reconcile
+        ran, and the controller would never learn it was deleted (a CI run saw exactly that)."""
+        self.kubectl(
+            "patch", "pod", name, "-n", ns, "--type=merge", "-p", json.dumps({"metadata": {"finalizers": [HOLD]}})
+        )
+        self.kubectl("delete", "pod", name, "-n", ns, "--wait=false")
+        try:
+            return self.wait_until(until, cond)
+        finally:
+            self.kubectl("patch", "pod", name, "-n", ns, "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
 
     def diagnose(self, ns: str) -> str:
         """What a failed install or upgrade in `ns` left behind, for its assertion message: each

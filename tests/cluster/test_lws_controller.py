@@ -115,7 +115,9 @@ def test_a_group_runs_on_p5_nodes_and_is_recreated_whole(cluster: ControlPlane, 
 
     # A worker that goes takes its group with it: a new leader, and a new worker.
     before = {name: p["metadata"]["uid"] for name, p in pods.items()}
-    cluster.kubectl("delete", "pod", "smoke-0-1", "-n", ns, "--wait=false")
+    cluster.delete_pod_held(
+        ns, "smoke-0-1", "LWS deleting the leader", lambda: cluster.pod_going(ns, "smoke-0", before["smoke-0"])
+    )
 
     def recreated() -> dict[str, dict[str, Any]] | None:
         now = group(cluster)
@@ -123,10 +125,8 @@ def test_a_group_runs_on_p5_nodes_and_is_recreated_whole(cluster: ControlPlane, 
             return now
         return None
 
-    # a longer hang guard than a start's: once (of many runs) the recreation outlasted 120 s
-    # while the other pytest worker ran real engines; the diagnosis says where it stood
     try:
-        after = cluster.wait_until("the whole group recreated", recreated, deadline_s=300)
+        after = cluster.wait_until("the whole group recreated", recreated)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{cluster.diagnose(ns)}") from None
     assert sorted(after) == ["smoke-0", "smoke-0-1"], cluster.diagnose(ns)

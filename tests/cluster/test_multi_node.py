@@ -103,7 +103,12 @@ def test_deleting_a_worker_restarts_its_group(cluster: ControlPlane, ns: str) ->
     helm_install(cluster, ns, "install", PROFILE)
     before = cluster.wait_until("both roles' groups Ready", lambda: groups_ready(cluster, ns))
     leader, worker = before["decode"]
-    cluster.kubectl("delete", "pod", worker["metadata"]["name"], "-n", ns, "--wait=false")
+    cluster.delete_pod_held(
+        ns,
+        worker["metadata"]["name"],
+        "LWS deleting the decode leader",
+        lambda: cluster.pod_going(ns, leader["metadata"]["name"], leader["metadata"]["uid"]),
+    )
 
     def restarted() -> dict[str, list[dict[str, Any]]] | None:
         now = groups_ready(cluster, ns)
