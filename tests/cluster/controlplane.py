@@ -359,7 +359,8 @@ class ControlPlane:
         deletionTimestamp (LWS's group restart reads it from its cache: lws v0.9.0
         pod_controller.go, handleRestartPolicy) see it for as long as they need, however loaded
         the machine; without the hold the pod could be gone from the cache before the reconcile
-        ran, and the controller would never learn it was deleted (a CI run saw exactly that)."""
+        ran, and the controller would never learn it was deleted (a CI run saw exactly that).
+        Releasing it clears the pod's finalizers: a kwok pod has none but this one."""
         self.kubectl(
             "patch", "pod", name, "-n", ns, "--type=merge", "-p", json.dumps({"metadata": {"finalizers": [HOLD]}})
         )

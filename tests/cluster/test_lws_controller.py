@@ -125,8 +125,10 @@ def test_a_group_runs_on_p5_nodes_and_is_recreated_whole(cluster: ControlPlane, 
             return now
         return None
 
+    # a longer hang guard than a start's: a new leader and a new worker are scheduled and made
+    # Ready one after the other while the other pytest worker may be running real engines
     try:
-        after = cluster.wait_until("the whole group recreated", recreated)
+        after = cluster.wait_until("the whole group recreated", recreated, deadline_s=300)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{cluster.diagnose(ns)}") from None
     assert sorted(after) == ["smoke-0", "smoke-0-1"], cluster.diagnose(ns)
