@@ -150,6 +150,7 @@ TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     # the router's own start-up rules (pd_router.config), so a value it would refuse never renders
     "httpHeaderName": {"pattern": f"^({router_config.HEADER_NAME_RE})?$"},
     "routerMaxBodyBytes": {"minimum": router_config.MIN_MAX_BODY_BYTES},
+    "routerMaxHeaders": {"minimum": router_config.MIN_MAX_HEADERS},
     # the KV hand-off connectors the router speaks (pd_router.connectors); templates/_connectors.tpl
     # lists the same ones, and tests/test_connectors.py fails when the two differ
     "connector": {"type": "string", "enum": list(router_connectors.NAMES)},

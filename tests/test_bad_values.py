@@ -334,6 +334,10 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "router:\n  limits:\n    maxBodyBytes: 100\n",
         ("/router/limits/maxBodyBytes",),
     ),
+    "header_limit_below_the_routers_minimum": (
+        "router:\n  limits:\n    maxHeaders: 8\n",
+        ("/router/limits/maxHeaders",),
+    ),
     "egress_hub_peer_not_a_peer": (
         "networkPolicy:\n  egress:\n    hubTo: [{ipBlok: {cidr: 10.0.0.0/8}}]\n",
         ("/networkPolicy/egress/hubTo/0",),

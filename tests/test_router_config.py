@@ -104,6 +104,7 @@ def test_loader_rejects_what_the_chart_must_never_render(h4: Path, tmp_path: Pat
 ROUTER_RULES = {
     "session affinity header": ({"router": {"sessionAffinityHeader": "X Session"}}, ("routing", "sessionAffinityHeader")),
     "body limit": ({"router": {"limits": {"maxBodyBytes": 100}}}, ("limits", "maxBodyBytes")),
+    "header limit": ({"router": {"limits": {"maxHeaders": 8}}}, ("limits", "maxHeaders")),
     "sidecar wait": (
         {"kvTransfer": {"lmcache": {"notificationReceiver": "prefillSidecar", "notifyTimeoutSeconds": 900}}},
         ("lmcache", "notifyTimeoutSeconds"),

@@ -1327,6 +1327,61 @@ def test_odd_request_lines(routers: list[Proc], line: bytes) -> None:
         assert b"".join(got.get("content-type")).startswith(b"application/json") == is_json, got
 
 
+# ---------------------------------------------------------------------- refusals a client reads
+
+HUGE = 20 * 1024 * 1024  # a body 200 x limits.maxBodyBytes: far more than the sockets buffer
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_far_over_the_limit_gets_a_413_the_client_reads(
+    routers: list[Proc], framing: str
+) -> None:
+    """A client writes its whole body before it reads the answer (http.client, httpx): the
+    router answers 413 early and must keep reading and dropping the rest (a lingering close),
+    or closing with bytes unread resets the connection and the client sees a broken pipe
+    instead of the answer."""
+    raw = _padded({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, HUGE)
+    for router in routers:
+        if framing == "content-length":
+            status, _, data = post(router, CHAT, raw)
+            assert status == 413, data[:300]
+            assert error_of(data)["message"] == "request body too large"
+        else:
+            got = parse_raw(raw_exchange(router.port, chunked_request(CHAT, raw)))
+            assert got.status == 413, got
+            check_raw(got)
+
+
+def _with_fields(count: int) -> bytes:
+    """A short chat request of exactly ``count`` header fields."""
+    pad = [(b"X-Pad-%d" % i, b"v") for i in range(count - 4)]  # Host, Connection, Content-*
+    return request_bytes(CHAT, SHORT_CHAT, [(b"Content-Type", b"application/json"), *pad])
+
+
+@pytest.mark.parametrize("count", [100, 101, 200])
+def test_header_fields_over_max_headers_are_431(routers: list[Proc], count: int) -> None:
+    """limits.maxHeaders (default 100, Envoy's): that many fields are served, one more is a
+    plain-text 431 the client reads."""
+    for router in routers:
+        got = parse_raw(raw_exchange(router.port, _with_fields(count)))
+        assert got.status == (200 if count <= 100 else 431), got
+        check_raw(got, plain=(431,))
+
+
+def test_an_unknown_models_404_quotes_a_bounded_prefix_of_its_name(routers: list[Proc]) -> None:
+    """vLLM quotes the whole name; a megabyte of it would come back as a megabyte of error."""
+    name = "m" * (LIMIT // 2)
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for router in routers:
+        status, _, data = post(router, CHAT, body)
+        assert status == 404, data[:300]
+        msg = error_of(data)["message"]
+        assert msg == f"The model `{name[:256]}...` does not exist.", msg[:300]
+        # negative control: a name within the bound is quoted whole
+        status, _, data = post(router, CHAT, body.replace(name.encode(), b"m" * 256))
+        assert error_of(data)["message"] == f"The model `{'m' * 256}` does not exist."
+
+
 # ---------------------------------------------------------------------- afterwards
 
 

@@ -560,6 +560,7 @@ def build_server(router: Router) -> HttpServer:
     return HttpServer(
         routes,
         max_body=router.cfg.limits.max_body_bytes,
+        max_headers=router.cfg.limits.max_headers,
         head_timeout=router.cfg.timeouts.client_header_seconds,
         idle_timeout=router.cfg.timeouts.client_idle_seconds,
         internal_error=lambda: error_response(500, "internal router error", "internal_error"),

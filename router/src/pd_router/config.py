@@ -35,6 +35,11 @@ SIDECAR_PORT = 7600
 # An HTTP header name (RFC 9110 token); the chart's schema takes it from here (ci/chartdoc.py).
 HEADER_NAME_RE = r"[A-Za-z0-9!#$%&'*+.^_`|~-]+"
 MIN_MAX_BODY_BYTES = 1024
+# Header fields a request may carry (limits.maxHeaders, 431 above): Envoy's max_headers_count
+# default (HttpProtocolOptions, Envoy 1.36); aiohttp 3.14's server allowed 128. Below the
+# minimum an SDK's own headers and a proxy's would not fit.
+MAX_HEADERS = 100
+MIN_MAX_HEADERS = 32
 # bounds of the notification sidecar's wait endpoint (pd_router.handoff.lmcache_sidecar)
 SIDECAR_MAX_COUNT = 64
 SIDECAR_MAX_TIMEOUT = 600.0
@@ -255,6 +260,7 @@ class Limits:
     max_queued: int = 1024
     queue_timeout_seconds: float = 30.0
     max_body_bytes: int = 10 * 1024 * 1024
+    max_headers: int = MAX_HEADERS
 
 
 @dataclass(frozen=True)
@@ -647,6 +653,8 @@ def _validate_limits(li: Limits) -> None:
     _positive(li.queue_timeout_seconds, "limits.queueTimeoutSeconds")
     if li.max_body_bytes < MIN_MAX_BODY_BYTES:
         raise ConfigError(f"limits.maxBodyBytes: must be >= {MIN_MAX_BODY_BYTES}")
+    if li.max_headers < MIN_MAX_HEADERS:
+        raise ConfigError(f"limits.maxHeaders: must be >= {MIN_MAX_HEADERS}")
 
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None) -> RouterConfig:

@@ -10,7 +10,9 @@ rules, on which the hostile-input suites hold the router (checked against aiohtt
 * a request line, a header name and a header value are at most ``MAX_FIELD`` (8190) bytes, the
   whole head ``MAX_HEAD`` bytes; a second value of a ``SINGLETON_HEADERS`` header, a malformed
   line, an invalid method or URL byte (llhttp, strict) is a plain-text 400 and the connection
-  closes; ``OPTIONS *`` and ``CONNECT`` are a plain-text 404 (no route can match them);
+  closes; more header fields than ``limits.maxHeaders`` (pd_router.config.MAX_HEADERS by
+  default, Envoy's; aiohttp allowed 128) is a plain-text 431; ``OPTIONS *`` and ``CONNECT``
+  are a plain-text 404 (no route can match them);
 * a new connection gets ``head_timeout`` (or ``idle_timeout`` if shorter) for its first whole
   request head, a keep-alive one ``idle_timeout`` between requests; neither runs while a
   request is read or answered (the body has its own deadline, the app's
@@ -23,6 +25,13 @@ rules, on which the hostile-input suites hold the router (checked against aiohtt
 * a streamed answer is chunked (HTTP/1.1) and its writer waits while the socket's buffer is
   over ``WRITE_HIGH_WATER``: a slow reader never makes the router buffer a whole stream;
 * a client that goes away cancels its handler (the upstream legs close with it);
+* an answer sent before the request was read to its end (a 413 for a body over the limit, a
+  refusal of the head) closes the connection the lingering way: the router's side closes for
+  writing and what the client still sends is read and dropped, for up to ``LINGER_SECONDS``
+  (``LINGER_IDLE_SECONDS`` without a byte), so that the client, which writes its whole body
+  before it reads, gets to read the answer: a socket closed with bytes unread is reset, and
+  the client then sees a broken pipe instead of the 413 (nginx's lingering close and its
+  defaults, ``lingering_time`` and ``lingering_timeout``);
 * SIGTERM: stop listening, close idle connections, let in-flight requests finish for up to
   ``DRAIN_SECONDS`` (aiohttp's ``shutdown_timeout`` default), then close the rest.
 
@@ -54,6 +63,8 @@ log = logging.getLogger("pd_router.http")
 MAX_FIELD = 8190  # aiohttp's max_line_size and max_field_size
 MAX_HEAD = 65536  # a whole request head (aiohttp bounds header count * field size instead)
 MAX_PIPELINED = 8  # requests parsed ahead of the one being answered before reading pauses
+LINGER_SECONDS = 30.0  # nginx's lingering_time (1.28)
+LINGER_IDLE_SECONDS = 5.0  # nginx's lingering_timeout
 WRITE_HIGH_WATER = 64 * 1024  # a stream's writer waits above this many unsent bytes
 DRAIN_SECONDS = 60.0
 # A second value of one of these is refused (aiohttp 3.14.5 http_parser.SINGLETON_HEADERS).
@@ -354,7 +365,9 @@ class HttpConnection(asyncio.Protocol):
         "_current",
         "_drain_waiter",
         "_head_size",
+        "_header_count",
         "_headers",
+        "_linger_until",
         "_parse_failed",
         "_paused_reading",
         "_queue",
@@ -388,6 +401,8 @@ class HttpConnection(asyncio.Protocol):
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._parse_failed = False
+        self._header_count = 0
+        self._linger_until = 0.0  # lingering (see the module docstring) until then; 0: not
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -405,6 +420,8 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._parse_failed:
+            if self._linger_until:  # dropped; the wait for the next bytes starts again
+                self._arm(min(LINGER_IDLE_SECONDS, self._linger_until - self.loop.time()))
             return
         try:
             self.parser.feed_data(data)
@@ -445,6 +462,7 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._headers = {}
         self._head_size = 0
+        self._header_count = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -457,6 +475,9 @@ class HttpConnection(asyncio.Protocol):
         self._head_size += len(name) + len(value) + 4
         if self._head_size > MAX_HEAD:
             raise _Refused(400, "request head too large")
+        self._header_count += 1
+        if self._header_count > self.server.max_headers:
+            raise _Refused(431, "too many header fields")
         key = name.decode("latin-1").lower()
         if key in self._headers:
             if key in SINGLETON_HEADERS:
@@ -502,7 +523,10 @@ class HttpConnection(asyncio.Protocol):
             if queue and queue[0] is req:
                 queue.popleft()
             if not keep or self.closing or self.transport is None or self.transport.is_closing():
-                self._close()
+                if not req.body_complete or req._error is not None or isinstance(req, _Refusal):
+                    self._linger()  # answered before the client was done sending (a 413)
+                else:
+                    self._close()
                 return
             if self._paused_reading and len(queue) <= MAX_PIPELINED:
                 self._resume_reading()
@@ -633,7 +657,7 @@ class HttpConnection(asyncio.Protocol):
         if self._task is None:
             with contextlib.suppress(ConnectionError):
                 self.write(data)
-            self._close()
+            self._linger()
         else:  # after the answers already on their way: a sentinel request
             self._queue.append(_Refusal(self, data))  # type: ignore[arg-type]
 
@@ -655,6 +679,23 @@ class HttpConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _linger(self) -> None:
+        """Close after an answer sent before the request was read to its end (see the module
+        docstring): our side closes for writing; what comes in is dropped until the client
+        closes, ``LINGER_IDLE_SECONDS`` pass without a byte or ``LINGER_SECONDS`` in all."""
+        t = self.transport
+        if t is None or t.is_closing() or not t.can_write_eof() or self.server.draining:
+            self._close()
+            return
+        self.closing = True
+        self._parse_failed = True  # nothing read from now on is parsed
+        self._current = None
+        with contextlib.suppress(OSError):
+            t.write_eof()
+        self._linger_until = self.loop.time() + LINGER_SECONDS
+        self._resume_reading()
+        self._arm(LINGER_IDLE_SECONDS)
 
     def _close(self) -> None:
         self.closing = True
@@ -702,12 +743,14 @@ class HttpServer:
         routes: Routes,
         *,
         max_body: int,
+        max_headers: int,
         head_timeout: float,
         idle_timeout: float,
         internal_error: Callable[[], Response],
     ) -> None:
         self.routes = routes
         self.max_body = max_body
+        self.max_headers = max_headers
         self.head_timeout = head_timeout
         self.idle_timeout = idle_timeout
         self.internal_error = internal_error

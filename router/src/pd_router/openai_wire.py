@@ -142,9 +142,17 @@ def error_body(status: int, message: str, etype: str, param: str | None = None) 
     )
 
 
+# An unknown model's name is quoted in its 404 up to this many characters (vLLM quotes it whole:
+# a client's megabyte of name would come back as a megabyte of error).
+QUOTED_NAME_CHARS = 256
+
+
 def model_not_found(model: str) -> bytes:
     """vLLM's 404 for a model it does not serve (serve/engine/serving.py ``_check_model``
-    and openai/models/serving.py, 0.31.0: ``NotFoundError``, ``param: "model"``)."""
+    and openai/models/serving.py, 0.31.0: ``NotFoundError``, ``param: "model"``), the name
+    cut to ``QUOTED_NAME_CHARS`` (``...`` marks a cut)."""
+    if len(model) > QUOTED_NAME_CHARS:
+        model = model[:QUOTED_NAME_CHARS] + "..."
     return error_body(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 

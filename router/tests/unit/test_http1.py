@@ -27,7 +27,8 @@ async def serving(routes: http1.Routes, **kw: Any) -> AsyncIterator[tuple[http1.
         return http1.Response(status=405 if allow else 404, body=b"no")
 
     routes.fallback = not_found
-    opts = {"max_body": 1 << 20, "head_timeout": 30.0, "idle_timeout": 30.0, **kw}
+    opts = {"max_body": 1 << 20, "max_headers": 100, "head_timeout": 30.0, "idle_timeout": 30.0}
+    opts.update(kw)
     server = http1.HttpServer(routes, internal_error=lambda: http1.Response(status=500), **opts)
     port = await server.start("127.0.0.1", 0, 16)
     try:
@@ -213,6 +214,50 @@ def test_an_answer_before_the_whole_body_closes_the_connection() -> None:
             assert (status, headers["connection"], body) == (401, "close", b"no key")
             assert await r.read() == b""
             w.close()
+
+    run(go())
+
+
+def test_an_early_answer_is_read_by_a_client_that_sends_its_whole_body_first() -> None:
+    """An answer before the body (a 413) closes the lingering way: the server closes its side
+    for writing and reads and drops the rest, so a client that writes all of a body far larger
+    than the sockets buffer before it reads still gets the answer (closed at once, the
+    connection was reset under the writing client: a broken pipe instead of the 413)."""
+    big = 16 * 1024 * 1024
+
+    async def early(req: http1.Request) -> http1.Response:
+        return http1.Response(status=413, body=b"too large")
+
+    async def go() -> None:
+        routes = http1.Routes()
+        routes.add("POST", "/early", early)
+        async with serving(routes) as (_, port):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % big)
+            for _ in range(big // CHUNK):
+                w.write(b"x" * CHUNK)
+                await w.drain()
+            status, headers, body = await read_answer(r)
+            assert (status, headers["connection"], body) == (413, "close", b"too large")
+            assert await r.read() == b""
+            w.close()
+
+    run(go())
+
+
+def test_more_header_fields_than_max_headers_is_431() -> None:
+    def head(fields: int) -> bytes:
+        pad = b"".join(b"X-P%d: v\r\n" % i for i in range(fields - 2))
+        return b"GET /echo HTTP/1.1\r\nHost: x\r\n%bContent-Length: 0\r\n\r\n" % pad
+
+    async def go() -> None:
+        async with serving(echo_routes(), max_headers=40) as (_, port):
+            for fields, want in ((40, 200), (41, 431)):
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(head(fields))
+                status, _, _ = await read_answer(r)
+                assert status == want, fields
+                w.close()
 
     run(go())
 
