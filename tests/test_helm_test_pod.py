@@ -85,7 +85,7 @@ def test_helm_test_script_fails_when_a_route_is_wrong(h4: Path, router: Proc) ->
 # --- per request: router.decision goodput, or one engine pool (engine.layout flexible) ---------------
 
 FLEXIBLE = ("engine.layout=flexible", "prefill.replicas=0")
-GOODPUT_REASONS = ("handoff_not_worth", "whole_best", "split_protects_itl", "split_faster")
+GOODPUT_REASONS = ("handoff_not_worth", "whole_best", "one_engine_enough", "split_protects_itl", "split_faster")
 
 
 def _per_request_pod(h4: Path, sets: tuple[str, ...]) -> tuple[str, dict[str, str]]:

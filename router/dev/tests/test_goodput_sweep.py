@@ -36,6 +36,7 @@ def test_one_cell_runs_every_configuration_and_reports(tmp_path: Path) -> None:
     assert {r["reason"] for r in mine} <= {
         "handoff_not_worth",
         "whole_best",
+        "one_engine_enough",
         "split_protects_itl",
         "split_faster",
     }

@@ -68,6 +68,7 @@ DECIDED = (
     # routing.decision goodput (pd_router.plan)
     ("direct", "handoff_not_worth"),
     ("direct", "whole_best"),
+    ("direct", "one_engine_enough"),
     ("disaggregated", "split_protects_itl"),
     ("disaggregated", "split_faster"),
 )

@@ -24,25 +24,32 @@ its gaps than its budget pass the ITL bound (Poisson at the expected count), 1 w
 alone passes it, and the streams it harms.
 
 **The rule**: a split must risk ``TIE`` fewer expected misses than the best whole option (a
-hand-off must earn its risk); among the rest, the fewest expected misses, then the earliest first
-token, except that, where engines crowd each other (pd_router.costs.StepFit: engines that
+hand-off must earn its risk); among the rest, the fewest expected misses, then the earliest
+first token, except that, where engines crowd each other (pd_router.costs.StepFit: engines that
 share a machine's cores or memory bandwidth), options risking almost nothing (``PACK``) go to
-the decoder with the most streams already: an engine with nothing to do is left with nothing
-to do, and the others keep their speed. On engines that do not crowd each other (GPUs of
-their own) that would only queue short prompts behind each other: there, the earliest first
-token. Splits are weighed only when the best whole
-option risks more than ``TIE`` (``handoff_not_worth`` otherwise, decided after weighing each
-engine once). Because a request decoding on an engine whose gaps are often stretched risks its
-ITL, streams drift to the engines that prefill least, and prefills to the engines whose streams
-they harm least: the engines settle into prefill and decode roles as the traffic asks, and back
-again when it changes, without a pod changing.
+the decoder with the most streams already: an engine with nothing to do is left with nothing to
+do, and the others keep their speed. On engines that do not crowd each other (GPUs of their own)
+that would only queue short prompts behind each other: there, the earliest first token. And
+where engines crowd each other, a request is first weighed for the engine with the most streams
+alone, and served whole there while that risks at most ``WAKE`` expected misses
+(``one_engine_enough``): on this project's CPU engines two engines at work each decode 2.6-3.6 x
+slower than one alone, so one engine serves more within the SLOs than two, and the per-request
+weighing, which prices an option from the state it finds, cannot see that: once the other engine
+is at work for the requests before, every option is weighed crowded. Splits are weighed only
+when the best whole option risks more than ``TIE`` (``handoff_not_worth`` otherwise, decided
+after weighing each engine once). Because a request decoding on an engine whose gaps are often
+stretched risks its ITL, streams drift to the engines that prefill least, and prefills to the
+engines whose streams they harm least: the engines settle into prefill and decode roles as the
+traffic asks, and back again when it changes, without a pod changing.
 
 Reasons (``x-pd-reason``, pd_router.metrics.DECIDED): ``handoff_not_worth`` (whole; its risk is
-within ``TIE``, so no split could do better), ``whole_best`` (whole; splits were weighed and
-lost), ``split_protects_itl`` (split; a whole option risks more ITL misses, this request's or
-other streams'), ``split_faster`` (split; a whole option risks more TTFT misses). The predicted
-figures go back in ``x-pd-predicted`` and in the trace, and the router exports observed /
-predicted TTFT (``pd_router_ttft_prediction_ratio``) so that a user sees the model's error.
+within ``TIE``, so no split could do better), ``one_engine_enough`` (whole on the engine with
+the most streams, where engines crowd each other: within ``WAKE``), ``whole_best`` (whole;
+splits were weighed and lost), ``split_protects_itl`` (split; a whole option risks more ITL
+misses, this request's or other streams'), ``split_faster`` (split; a whole option risks more
+TTFT misses). The predicted figures go back in ``x-pd-predicted`` and in the trace, and the
+router exports observed / predicted TTFT (``pd_router_ttft_prediction_ratio``) so that a user
+sees the model's error.
 
 Pairs keep the revision rule (pd_router.revision): both engines serve the same KV revision.
 An engine is never sent its own prefill's ``kv_transfer_params`` (vLLM 0.31/0.33 do not guard a
@@ -74,6 +81,14 @@ TIE = 0.05
 # Where engines crowd each other, options that risk at most this many expected misses are
 # packed onto the busier decoder.
 PACK = 0.01
+# Where engines crowd each other, a request goes whole to the engine with the most streams while
+# that risks at most this many expected misses; only beyond it are the others weighed
+# (:meth:`Planner.choose`). High because that risk is weighed in the state the other engines'
+# work left that engine in (crowded steps, the slow gaps its streams saw), not in the state
+# that serving there would keep it in: in one short-prompt run at 0.9 of capacity the option
+# was predicted at 1.11 expected misses and missed 0.68 (observed); at 0.5 the cell's goodput
+# was 0.37 x the fixed split's, at 2.0 0.99 x (docs/benchmarks.md, 2026-12-06).
+WAKE = 2.0
 
 # How many prefillers and decoders (best first by their own side's score) are paired up: the
 # pairs beyond them cannot win on a pool of alike engines, and 4 x 4 keeps the decision cheap
@@ -158,15 +173,16 @@ class Planner:
 
     def crowding(self, c: EngineCosts, seconds: float, now: float) -> float:
         """The streams decoding on the other engines that ``c`` pushes past their ITL p95 by
-        working ``seconds`` from now: for as long as that keeps ``c`` at work beyond the calls
-        it has (EngineCosts.busy_left), their steps are as slow as ``c`` at work makes them
-        (StepFit.crowding), each the more likely past the bound. An engine about to fall idle
-        is thus dearer to send to than one that works on anyway: on engines that share a
-        machine, requests gather on the engines already busy."""
+        working ``seconds`` from now: all that while their steps are as slow as ``c`` at work
+        makes them (StepFit.crowding), each the more likely past the bound. Each call is
+        charged for the whole of its time, whatever else keeps ``c`` at work: charged only
+        for the time it added to the calls ``c`` had (until 2026-12-06), a split found the
+        prefiller kept at work by the splits before it and looked free, and short prompts
+        went on being split on a machine where one engine alone served them better."""
         m = self.model
         if not m.crowded:
             return 0.0
-        extra = seconds - c.busy_left()
+        extra = seconds
         if extra <= 0:
             return 0.0
         bound = math.log(self.itl_bound)
@@ -221,7 +237,27 @@ class Planner:
             return None
         out = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
         bound = self.model.ttft_bound(prompt)
-        pack = PACK if self.model.crowded else -1.0
+        if self.model.crowded:
+            primary = max(decoders, key=lambda ep: self._costs(ep, now).decoding)
+            if len(decoders) > 1 and self._costs(primary, now).decoding:
+                one = [primary]
+                kept = self._choose(prompt, held, one, one, out, bound, now, PACK).option
+                if kept.misses <= WAKE:
+                    return Choice(kept, "one_engine_enough")
+            return self._choose(prompt, held, decoders, prefillers, out, bound, now, PACK)
+        return self._choose(prompt, held, decoders, prefillers, out, bound, now, -1.0)
+
+    def _choose(
+        self,
+        prompt: int,
+        held: Held,
+        decoders: Sequence[Endpoint],
+        prefillers: Sequence[Endpoint],
+        out: int,
+        bound: float,
+        now: float,
+        pack: float,
+    ) -> Choice:
         best: Option | None = None
         for ep in decoders:
             o = self.whole(ep, max(1, prompt - held(ep)), out, bound, now)

@@ -216,6 +216,37 @@ def test_requests_that_risk_nothing_are_packed_only_where_engines_crowd_each_oth
     assert choose(0.0) == b.base  # negative control
 
 
+def test_where_engines_crowd_each_other_one_engine_serves_what_it_can_alone() -> None:
+    """Engines that slow each other down: a request goes whole to the engine with the most
+    streams while that risks at most ``WAKE`` expected misses, though a split through the
+    other engine is predicted to risk less (a's 1,500 queued tokens put a short prompt there
+    past its TTFT bound, about one miss); crowding that small (0.1) harms none of a's streams,
+    so the per-request weighing alone would send it to b."""
+
+    def choose(crowd: float, prompt: int = 50) -> tuple[str, str]:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        costs(model, b)
+        decoding(model, a, 4, out=40, fast_seen=10)  # 2 slow gaps of budget each
+        costs(model, a).start("whole", 1500, 50, True, clock())
+        for e in (a, b):
+            costs(model, e).step.crowding = crowd
+        model.crowded = crowd > 0
+        choice = planner.choose(prompt, NONE, [a, b], [a, b], 50, clock())
+        assert choice is not None
+        return choice.option.decoder.base, choice.reason
+
+    a, b = engines("a", "b")
+    assert choose(0.1) == (a.base, "one_engine_enough")
+    # negative control: engines that do not crowd each other; b's first token is in time
+    decoder, reason = choose(0.0)
+    assert decoder == b.base and reason != "one_engine_enough"
+    # negative control: a long prompt whole on a would push a's four streams past their ITL
+    # p95 (its chunks stretch their steps) and miss its TTFT: more than WAKE; b is woken
+    decoder, reason = choose(0.1, 6000)
+    assert reason != "one_engine_enough", (decoder, reason)
+
+
 def test_crowding_is_learnt_from_steps_slower_while_the_other_engines_work() -> None:
     """The step alone from the calls decoding while the other engine idled, the crowding from
     those decoding while it worked (gaps 3 x as long: a crowding of 2)."""
