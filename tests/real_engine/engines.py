@@ -94,24 +94,40 @@ def model(kind: str, weights: int = 0) -> Path:
 
 
 _ports = random.Random()
+_handed: set[int] = set()  # ports this process handed out: an engine binds its own seconds later
 
 
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: a port the kernel hands out (bind to 0)
     may meanwhile become some outgoing connection's source port, and an engine binding it later
-    fails (seen: NIXL's handshake listener, "Address already in use", and the engine hangs)."""
+    fails (seen: NIXL's handshake listener, "Address already in use", and the engine hangs).
+    Free when checked is not free when bound: an engine binds its ports tens of seconds after
+    they were picked, and another engine started meanwhile could have picked the same one (seen:
+    a KV-event replay port, ZMQ "Address already in use", under ``make test``'s two workers). So
+    each pytest-xdist worker picks from a share of the range of its own, and no port is handed
+    out twice in one process."""
     import socket
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    lo, hi = 10000, max(10001, low)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and workers > 1:
+        span = (hi - lo) // workers
+        lo += int(worker[2:]) % workers * span
+        hi = lo + span
     for _ in range(200):
-        port = _ports.randrange(10000, max(10001, low))
+        port = _ports.randrange(lo, hi)
+        if port in _handed:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError(f"no free port in 10000-{low}")
+        _handed.add(port)
+        return port
+    raise RuntimeError(f"no free port in {lo}-{hi}")
 
 
 def metrics_text(base: str, timeout: float = 10) -> str:
