@@ -72,6 +72,11 @@ STALL_PRIOR = 1.0  # stall samples the prefill fit's k counts as (see EngineCost
 # A crowding (StepFit.crowding) below this is taken as none: engines on GPUs of their own learn
 # a few hundredths from noise; engines sharing a machine, 1 or more.
 CROWD_MIN = 0.1
+# From this crowding on, two engines at work each decode at least twice as slowly as one alone,
+# and so serve no more than it: the goodput decision then keeps work on one engine while it can
+# (pd_router.plan.WAKE). Engines on GPUs of their own learn well under it (the simulated H100s:
+# 0.43 at most); this project's CPU engines 1-3.7.
+CROWD_CONSOLIDATE = 1.0
 # A prefill fit is solved (a 4 x 4 system, ~30 us in Python) at most this often per engine:
 # samples that come faster are summed at once and reflected by the next decision after it.
 SOLVE_SECONDS = 0.05
@@ -781,6 +786,8 @@ class EngineCosts:
         m = self.model
         if (self.step.crowding >= CROWD_MIN) != m.crowded:
             m.crowded = any(e.step.crowding >= CROWD_MIN for e in m.engines)
+        if (self.step.crowding >= CROWD_CONSOLIDATE) != m.consolidate:
+            m.consolidate = any(e.step.crowding >= CROWD_CONSOLIDATE for e in m.engines)
 
 
 def poisson_above(mean: float, k: int) -> float:
@@ -831,6 +838,7 @@ class CostModel:
         self.busy = 0  # engines with a call of this router in flight
         self.others_scale = 1.0  # 1 / the other engines an engine has
         self.crowded = cfg.seed.crowding >= CROWD_MIN  # an engine's crowding is, now
+        self.consolidate = cfg.seed.crowding >= CROWD_CONSOLIDATE  # and as much as that
         # (engine, quantity, value): what the model believes, for pd_router_engine_cost, at most
         # once a second per engine (EngineCosts.refresh)
         self.report = report

@@ -30,9 +30,10 @@ share a machine's cores or memory bandwidth), options risking almost nothing (``
 the decoder with the most streams already: an engine with nothing to do is left with nothing to
 do, and the others keep their speed. On engines that do not crowd each other (GPUs of their own)
 that would only queue short prompts behind each other: there, the earliest first token. And
-where engines crowd each other, a request is first weighed for the engine with the most streams
-alone, and served whole there while that risks at most ``WAKE`` expected misses
-(``one_engine_enough``): on this project's CPU engines two engines at work each decode 2.6-3.6 x
+where engines crowd each other as much as ``CROWD_CONSOLIDATE`` (pd_router.costs: one at work at
+least doubles the others' steps), a request is first weighed for the engine with the most
+streams alone, and served whole there while that risks at most ``WAKE`` expected misses
+(``one_engine_enough``): on this project's CPU engines two engines at work each decode 2.6-4.7 x
 slower than one alone, so one engine serves more within the SLOs than two, and the per-request
 weighing, which prices an option from the state it finds, cannot see that: once the other engine
 is at work for the requests before, every option is weighed crowded. Splits are weighed only
@@ -81,13 +82,14 @@ TIE = 0.05
 # Where engines crowd each other, options that risk at most this many expected misses are
 # packed onto the busier decoder.
 PACK = 0.01
-# Where engines crowd each other, a request goes whole to the engine with the most streams while
-# that risks at most this many expected misses; only beyond it are the others weighed
-# (:meth:`Planner.choose`). High because that risk is weighed in the state the other engines'
-# work left that engine in (crowded steps, the slow gaps its streams saw), not in the state
-# that serving there would keep it in: in one short-prompt run at 0.9 of capacity the option
-# was predicted at 1.11 expected misses and missed 0.68 (observed); at 0.5 the cell's goodput
-# was 0.37 x the fixed split's, at 2.0 0.99 x (docs/benchmarks.md, 2026-12-06).
+# Where engines crowd each other as much as pd_router.costs.CROWD_CONSOLIDATE, a request goes
+# whole to the engine with the most streams while that risks at most this many expected misses;
+# only beyond it are the others weighed (:meth:`Planner.choose`). High because that risk is
+# weighed in the state the other engines' work left that engine in (crowded steps, the slow gaps
+# its streams saw), not in the state that serving there would keep it in: in one short-prompt
+# run at 0.9 of capacity the option was predicted at 1.11 expected misses and missed 0.68
+# (observed); at 0.5 the cell's goodput was 0.37 x the fixed split's, at 2.0 0.99 x
+# (docs/benchmarks.md, 2026-12-06).
 WAKE = 2.0
 
 # How many prefillers and decoders (best first by their own side's score) are paired up: the
@@ -238,12 +240,13 @@ class Planner:
         out = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
         bound = self.model.ttft_bound(prompt)
         if self.model.crowded:
-            primary = max(decoders, key=lambda ep: self._costs(ep, now).decoding)
-            if len(decoders) > 1 and self._costs(primary, now).decoding:
-                one = [primary]
-                kept = self._choose(prompt, held, one, one, out, bound, now, PACK).option
-                if kept.misses <= WAKE:
-                    return Choice(kept, "one_engine_enough")
+            if self.model.consolidate and decoders[1:]:
+                primary = max(decoders, key=lambda ep: self._costs(ep, now).decoding)
+                if self._costs(primary, now).decoding:
+                    one = [primary]
+                    kept = self._choose(prompt, held, one, one, out, bound, now, PACK).option
+                    if kept.misses <= WAKE:
+                        return Choice(kept, "one_engine_enough")
             return self._choose(prompt, held, decoders, prefillers, out, bound, now, PACK)
         return self._choose(prompt, held, decoders, prefillers, out, bound, now, -1.0)
 

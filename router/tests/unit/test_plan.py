@@ -11,6 +11,7 @@ import pytest
 
 from pd_router.config import Goodput, GoodputSeed
 from pd_router.costs import (
+    CROWD_CONSOLIDATE,
     SOLVE_SECONDS,
     CostModel,
     EngineCosts,
@@ -217,11 +218,10 @@ def test_requests_that_risk_nothing_are_packed_only_where_engines_crowd_each_oth
 
 
 def test_where_engines_crowd_each_other_one_engine_serves_what_it_can_alone() -> None:
-    """Engines that slow each other down: a request goes whole to the engine with the most
-    streams while that risks at most ``WAKE`` expected misses, though a split through the
-    other engine is predicted to risk less (a's 1,500 queued tokens put a short prompt there
-    past its TTFT bound, about one miss); crowding that small (0.1) harms none of a's streams,
-    so the per-request weighing alone would send it to b."""
+    """Engines that slow each other down by ``CROWD_CONSOLIDATE`` or more (one at work doubles
+    the other's steps): a request goes whole to the engine with the most streams while that
+    risks at most ``WAKE`` expected misses, though b is predicted to risk less (a's 1,500
+    queued tokens put a short prompt there past its TTFT bound, about one miss)."""
 
     def choose(crowd: float, prompt: int = 50) -> tuple[str, str]:
         model, planner, clock = setup()
@@ -232,18 +232,21 @@ def test_where_engines_crowd_each_other_one_engine_serves_what_it_can_alone() ->
         for e in (a, b):
             costs(model, e).step.crowding = crowd
         model.crowded = crowd > 0
+        model.consolidate = crowd >= CROWD_CONSOLIDATE
         choice = planner.choose(prompt, NONE, [a, b], [a, b], 50, clock())
         assert choice is not None
         return choice.option.decoder.base, choice.reason
 
     a, b = engines("a", "b")
-    assert choose(0.1) == (a.base, "one_engine_enough")
-    # negative control: engines that do not crowd each other; b's first token is in time
-    decoder, reason = choose(0.0)
-    assert decoder == b.base and reason != "one_engine_enough"
+    assert choose(CROWD_CONSOLIDATE) == (a.base, "one_engine_enough")
+    # negative controls: engines that do not crowd each other, or less than that (GPUs of their
+    # own learn a few tenths); b's first token is in time
+    for crowd in (0.0, 0.5):
+        decoder, reason = choose(crowd)
+        assert decoder == b.base and reason != "one_engine_enough", crowd
     # negative control: a long prompt whole on a would push a's four streams past their ITL
     # p95 (its chunks stretch their steps) and miss its TTFT: more than WAKE; b is woken
-    decoder, reason = choose(0.1, 6000)
+    decoder, reason = choose(CROWD_CONSOLIDATE, 6000)
     assert reason != "one_engine_enough", (decoder, reason)
 
 
