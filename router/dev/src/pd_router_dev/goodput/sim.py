@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             backend, opts, out, log=lambda s: print(s, file=sys.stderr, flush=True)
         ).run()
     result = sweep.in_gpu_time(result, f)
+    out.mkdir(parents=True, exist_ok=True)  # run alone (not from tests.real_engine.goodput)
     (out / "goodput-sim.json").write_text(json.dumps(result, indent=1))
     md = report.table(result)
     (out / "goodput-sim.md").write_text(md)
