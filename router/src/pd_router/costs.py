@@ -569,6 +569,19 @@ class EngineCosts:
 
     step_now = step_seconds
 
+    def busy_left(self) -> float:
+        """Seconds until the calls here now should be over: the longest of each stream's tokens
+        left at the step now, behind the prompts queued for those not yet prefilled."""
+        if not self.jobs:
+            return 0.0
+        step = self.step_now(self.decoding)
+        queue = self.queue_seconds()
+        left = 0.0
+        for j in self.jobs:
+            t = max(0, j.out - j.gaps) * step + (0.0 if j.prefilled else queue)
+            left = max(left, t)
+        return left
+
     def stall_per_token(self) -> float:
         """What a prompt token adds to the step that prefills it, as the streams here saw it
         (the prefill fit's ``k`` until they did)."""

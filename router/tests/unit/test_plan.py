@@ -12,6 +12,7 @@ import pytest
 from pd_router.config import Goodput, GoodputSeed
 from pd_router.costs import (
     CROWD_CONSOLIDATE,
+    PRIOR_CHUNK_TOKENS,
     SOLVE_SECONDS,
     CostModel,
     EngineCosts,
@@ -22,7 +23,7 @@ from pd_router.costs import (
     poisson_above,
 )
 from pd_router.discovery import Endpoint
-from pd_router.plan import Planner, ttft_miss
+from pd_router.plan import WAKE, Planner, ttft_miss
 
 # A 1 ms/token prefill, 10 ms decode steps, a 20 ms hand-off: an engine of round numbers.
 SEED = GoodputSeed(prefill_tokens_per_second=1000.0, decode_step_seconds=0.01, handoff_seconds=0.02)
@@ -248,6 +249,58 @@ def test_where_engines_crowd_each_other_one_engine_serves_what_it_can_alone() ->
     # p95 (its chunks stretch their steps) and miss its TTFT: more than WAKE; b is woken
     decoder, reason = choose(CROWD_CONSOLIDATE, 6000)
     assert reason != "one_engine_enough", (decoder, reason)
+
+
+def test_where_engines_crowd_each_other_a_prompt_of_several_chunks_is_weighed_everywhere() -> None:
+    """The one-engine rule keeps prompts of one chunk only: a longer one holds the prompts that
+    arrive behind it for its chunks' steps, which no option's weighing charges. Here a prompt
+    of two chunks whole on a risks less than ``WAKE`` yet goes to b, where it risks less."""
+
+    def choose(prompt: int, where: str = "ab") -> tuple[str, str, float]:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        costs(model, b)
+        decoding(model, a, 1, out=40, fast_seen=10)
+        costs(model, a).start("whole", 1500, 50, True, clock())
+        for e in (a, b):
+            costs(model, e).step.crowding = CROWD_CONSOLIDATE
+        model.crowded = model.consolidate = True
+        pool = [a, b] if where == "ab" else [a]
+        choice = planner.choose(prompt, NONE, pool, pool, 50, clock())
+        assert choice is not None
+        return choice.option.decoder.base, choice.reason, choice.option.misses
+
+    a, b = engines("a", "b")
+    chunk = PRIOR_CHUNK_TOKENS
+    decoder, reason, misses = choose(chunk + 952, "a")
+    assert decoder == a.base and misses <= WAKE  # the rule would have kept it there
+    decoder, reason, _ = choose(chunk + 952)
+    assert decoder == b.base and reason != "one_engine_enough"
+    # negative control: a prompt of one chunk stays on a
+    assert choose(chunk)[:2] == (a.base, "one_engine_enough")
+
+
+def test_a_call_is_charged_for_crowding_the_whole_of_its_time_only_where_engines_crowd_much() -> (
+    None
+):
+    """a works on for 400 steps anyway, and a at work slows b's streams past their bound: a
+    call of 1 s there is charged for the whole second where engines crowd each other as much
+    as ``CROWD_CONSOLIDATE`` (the model's ``consolidate``), and only for the time it adds
+    below that (none)."""
+
+    def charge(consolidate: bool) -> float:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        decoding(model, b, 4, out=40, fast_seen=10)
+        decoding(model, a, 1, out=400)
+        for e in (a, b):
+            costs(model, e).step.crowding = 5.0
+        model.crowded = True
+        model.consolidate = consolidate
+        return planner.crowding(costs(model, a), 1.0, clock())
+
+    assert charge(True) > 0.1
+    assert charge(False) == 0.0
 
 
 def test_crowding_is_learnt_from_steps_slower_while_the_other_engines_work() -> None:
