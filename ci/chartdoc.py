@@ -128,6 +128,10 @@ TYPES: dict[str, dict[str, Any] | Callable[[], dict[str, Any]]] = {
     "imageRepository": {
         "pattern": r"^([a-zA-Z0-9]([-a-zA-Z0-9.]*[a-zA-Z0-9])?(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*$"
     },
+    # the same, or empty (a default taken from elsewhere)
+    "optionalImageRepository": {
+        "pattern": r"^(([a-zA-Z0-9]([-a-zA-Z0-9.]*[a-zA-Z0-9])?(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*)?$"
+    },
     # a tag of 1-128 word characters, or empty
     "imageTag": {"pattern": r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"},
     "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},

@@ -1,5 +1,5 @@
 """Engine pods are replaced only when what the engines run changes (issue 22): a release that
-bumps only the chart's version, changes only the router or only an alert leaves both engine
+bumps only the chart's version, changes only the router (its image included) or only an alert leaves both engine
 StatefulSets' pod templates byte-identical (no GPU engine reloads its model for it), while a
 model change replaces them. tests/cluster/test_rollout.py shows the same with the real
 controller-manager."""
@@ -76,8 +76,10 @@ def test_a_chart_version_bump_replaces_no_pod(h4_module: Path, base: dict[str, s
         "router: {threshold: 2048}",
         "router: {logLevel: debug}",
         "metrics: {prometheusRule: {thresholds: {fallbackShare: 0.3}}}",
+        # a router release: the engines' helpers run engine.helperImage, pinned apart
+        f"router: {{image: {{tag: 9.9.9, digest: 'sha256:{'f' * 64}'}}}}",
     ],
-    ids=["router threshold", "router log level", "alert threshold"],
+    ids=["router threshold", "router log level", "alert threshold", "router image"],
 )
 def test_a_router_or_alert_change_leaves_the_engine_pods_alone(
     h4_module: Path, base: dict[str, str], values: str
@@ -92,9 +94,10 @@ def test_a_router_or_alert_change_leaves_the_engine_pods_alone(
     [
         ("model.revision=0123abcd",),
         ("engine.image.digest=sha256:" + "e" * 64,),
+        ("engine.helperImage.digest=sha256:" + "e" * 64,),
         ("kvTransfer.nixl.loadFailurePolicy=recompute",),
     ],
-    ids=["model revision", "engine image", "KV hand-off"],
+    ids=["model revision", "engine image", "engine helpers' image", "KV hand-off"],
 )
 def test_what_the_engines_run_replaces_them(h4_module: Path, base: dict[str, str], sets: tuple[str, ...]) -> None:
     changed = templates(helm.render(h4_module, PROD, sets))

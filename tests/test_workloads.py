@@ -236,6 +236,25 @@ def test_images_by_tag_or_digest(h4: Path) -> None:
     )
 
 
+def test_the_engine_pods_helpers_run_their_own_image(h4: Path) -> None:
+    """The metrics proxy (and LMCache's notification sidecar) run engine.helperImage: the
+    router's repository unless set, the chart's appVersion unless pinned; router.image's tag or
+    digest never reaches an engine pod (a router release would restart every engine)."""
+    digest = "sha256:" + "b" * 64
+
+    def helper(*sets: str) -> str:
+        spec = pod_spec(helm.render(h4, sets=sets), "StatefulSet", "-decode")
+        return next(c["image"] for c in spec["containers"] if c["name"] == "metrics-proxy")
+
+    assert helper() == "ghcr.io/pd-inference/pd-router:0.1.0"
+    assert helper("router.image.tag=9.9.9", f"router.image.digest={digest}") == "ghcr.io/pd-inference/pd-router:0.1.0"
+    assert helper("router.image.repository=reg.example/pd-router") == "reg.example/pd-router:0.1.0"
+    assert helper(f"engine.helperImage.digest={digest}") == f"ghcr.io/pd-inference/pd-router@{digest}"
+    assert helper("engine.helperImage.repository=reg.example/helpers", "engine.helperImage.tag=0.0.9") == (
+        "reg.example/helpers:0.0.9"
+    )
+
+
 def test_prod_pins_the_model_revision_and_every_image_digest(h4: Path) -> None:
     """Prod as Argo CD layers it: every engine runs `--revision=<40-hex commit>`, the router's hub
     tokenizer follows that commit, and every container of every pod (engines, their sidecars,

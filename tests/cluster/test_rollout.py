@@ -1,5 +1,5 @@
 """Upgrades that restart no engine needlessly, with the real controller-manager (issue 22): on a
-running prod release, a chart-version-only upgrade, a router-only change and an alert change
+running prod release, a chart-version-only upgrade, a router-only change (a value, its image) and an alert change
 replace 0 engine pods (their UIDs unchanged), while a change of what the engines run (the model's
 revision) replaces every one. A replaced GPU engine reloads its model: for the P5 profile, 70B of
 weights on every node."""
@@ -75,6 +75,7 @@ def test_only_a_change_of_what_the_engines_run_replaces_engine_pods(
     for what, chart, extra in (
         ("the chart's version alone", bumped(tmp_path), ()),
         ("a router value", helm.CHART, ("--set", "router.threshold=2048")),
+        ("the router's image", helm.CHART, ("--set", "router.image.tag=9.9.9")),
         ("an alert threshold", helm.CHART, ("--set-json", "metrics.prometheusRule.thresholds.fallbackShare=0.3")),
     ):
         helm_to(cluster, ns, "upgrade", chart, *extra)

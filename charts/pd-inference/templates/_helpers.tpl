@@ -90,6 +90,14 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* The engine pods' helper containers' image (engine.helperImage): the router's program, pinned
+apart from router.image so that a router release leaves the engines' pod templates alone. */}}
+{{- define "pd-inference.helperImage" -}}
+{{- $h := .Values.engine.helperImage -}}
+{{- $image := dict "repository" (default .Values.router.image.repository $h.repository) "tag" $h.tag "digest" $h.digest -}}
+{{- include "pd-inference.image" (dict "image" $image "default" .Chart.AppVersion) -}}
+{{- end -}}
+
 {{/* Ports: templates/_ports.tpl. */}}
 
 {{/* "true" when every engine takes either part (engine.layout flexible), else "". */}}

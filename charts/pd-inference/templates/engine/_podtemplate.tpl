@@ -116,8 +116,8 @@ spec:
     # Receives this pod's LMCache "KV landed" notifications (ZMQ PULL on 127.0.0.1) and answers
     # the router's "has request X landed?" over HTTP, so router replicas need no shared state.
     - name: notify-sidecar
-      image: {{ include "pd-inference.image" (dict "image" $v.router.image "default" $.Chart.AppVersion) | quote }}
-      imagePullPolicy: {{ $v.router.image.pullPolicy }}
+      image: {{ include "pd-inference.helperImage" $ | quote }}
+      imagePullPolicy: {{ $v.engine.helperImage.pullPolicy }}
       args:
         - notify-sidecar
         - --host=0.0.0.0
@@ -137,7 +137,7 @@ spec:
         periodSeconds: 15
         failureThreshold: 4
       # Up as long as vLLM serves: the router asks it about the prefills vLLM still drains. With
-      # the router image's Python (python3 of its virtualenv, on PATH).
+      # the helper image's Python (python3 of its virtualenv, on PATH).
       lifecycle:
         {{- include "pd-inference.preStopWait" (dict "python" "python3" "seconds" (include "pd-inference.engine.preStopSeconds" $) "untilClosed" (include "pd-inference.port" (dict "ctx" $ "component" $role "name" "http")) "atMost" (add (include "pd-inference.engine.preStopSeconds" $ | int) (int $r.drainSeconds))) | nindent 8 }}
       resources:
@@ -153,8 +153,8 @@ spec:
     # vLLM serves /metrics on its API port and a NetworkPolicy cannot filter paths: Prometheus
     # scrapes this metrics-only proxy instead, so networkPolicy.metricsFrom reaches no API.
     - name: metrics-proxy
-      image: {{ include "pd-inference.image" (dict "image" $v.router.image "default" $.Chart.AppVersion) | quote }}
-      imagePullPolicy: {{ $v.router.image.pullPolicy }}
+      image: {{ include "pd-inference.helperImage" $ | quote }}
+      imagePullPolicy: {{ $v.engine.helperImage.pullPolicy }}
       args:
         - metrics-proxy
         - --host=0.0.0.0
