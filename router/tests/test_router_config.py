@@ -97,6 +97,8 @@ def test_shipped_configs_load(path: Path) -> None:
         ("timeouts: {connectSeconds: 0}", "timeouts.connectSeconds"),
         ("logging: {level: loud}", "logging.level"),
         ("health: {path: health}", "health.path"),
+        ("health: {stallSeconds: -1}", "health.stallSeconds"),
+        ("health: {stallSeconds: .nan}", "health.stallSeconds"),
         ("timeouts: {firstByteSeconds: .nan}", "timeouts.firstByteSeconds"),
         ("timeouts: {clientBodySeconds: .inf}", "timeouts.clientBodySeconds"),
         ("timeouts: {clientIdleSeconds: 0}", "timeouts.clientIdleSeconds"),

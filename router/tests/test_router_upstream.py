@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pd_router.upstream import UpstreamClient, UpstreamError
+from pd_router.upstream import EngineStalled, UpstreamClient, UpstreamError
 
 _DEADLINE = 30.0
 Handler = Callable[["Server", asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -316,6 +316,53 @@ def test_idle_gap_mid_body_times_out() -> None:
             assert got == [b"first"]
             resp.close()
             await srv.eof.wait()
+            up.close()
+
+    run(main())
+
+
+def test_calls_waiting_on_an_engine_are_counted_and_aborted_at_once() -> None:
+    """What pd_router.stall reads and does: the calls waiting on an engine and a count of what
+    went each way (sent, read), and :meth:`UpstreamClient.abort` failing them with its
+    exception (not the connection's loss), one before its headers and one mid-body."""
+    both_read = asyncio.Event()
+    requests = 0
+
+    async def handler(
+        srv: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int
+    ) -> None:
+        nonlocal requests
+        body = await read_request(r)
+        requests += 1
+        if requests == 2:
+            both_read.set()
+        if body == b"begin":  # a body begun, then silence
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            await w.drain()
+        await srv.wait_eof(r)
+
+    async def main() -> None:
+        async with Server(handler) as srv:
+            up = UpstreamClient(5)
+            key = ("127.0.0.1", srv.port, False)
+            assert up.waiting_on(*key) == (0, 0)
+            headless = asyncio.ensure_future(post(up, srv, b"silent", first_byte=600))
+            resp = await post(up, srv, b"begin", idle=600)
+            await both_read.wait()
+            reading = asyncio.ensure_future(resp.read())
+            waiting, heard = up.waiting_on(*key)
+            assert waiting == 2 and heard >= 3  # two sent, what came back read
+            assert up.abort(*key, EngineStalled("stalled")) == 2
+            with pytest.raises(EngineStalled):
+                await headless
+            with pytest.raises(EngineStalled):
+                await reading
+            resp.close()
+            assert up.waiting_on(*key)[0] == 0
+            while srv.eofs < 2:  # the engine saw both closes (and would abort both)
+                srv.eof.clear()
+                await srv.eof.wait()
+            assert up.abort(*key, EngineStalled("again")) == 0  # negative control: none left
             up.close()
 
     run(main())

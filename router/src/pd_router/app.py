@@ -80,6 +80,7 @@ class Router:
         self.admission = Admission(cfg.limits, m)
         self.outcomes = Outcomes(m)
         self.up = UpstreamClient(cfg.timeouts.connect_seconds)  # hot path
+        self.stall = wiring.stall_watch(cfg, self.up, self.pools, m)
         self.served_model = ServedModel(cfg.model.served_name)  # its cards, its context length
         self.legs = Legs(
             cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, self.served_model
@@ -146,6 +147,8 @@ class Router:
             self._bg.append(loop.create_task(self._keys_loop()))
         if os.environ.get(MULTIPROC_ENV):  # one of several workers: see _load_gauges
             self._bg.append(loop.create_task(self._gauges_loop()))
+        if self.stall is not None:
+            self._bg.append(loop.create_task(self.stall.run()))
 
     async def _keys_loop(self) -> None:
         while True:
@@ -170,6 +173,8 @@ class Router:
     async def stop(self) -> None:
         for t in self._bg:
             t.cancel()
+        if self.stall is not None:
+            self.stall.stop()
         for pool in self.pools:
             await pool.stop()
         await self.disaggregated.stop()

@@ -252,6 +252,9 @@ class Health:
     # out its timeout again (Envoy's outlier detection does the same).
     ejection_seconds: float = 30.0
     max_ejection_seconds: float = 300.0
+    # An engine with calls waiting on it that sends nothing for this long and fails its health
+    # check is stalled: ejected, and what waits on it fails now (pd_router.stall). 0 = off.
+    stall_seconds: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -635,6 +638,8 @@ def _validate_timeouts_and_health(cfg: RouterConfig) -> None:
         raise ConfigError(f"health.path: must start with '/', got {h.path!r}")
     for name in ("interval_seconds", "timeout_seconds", "ejection_seconds", "max_ejection_seconds"):
         _positive(getattr(h, name), f"health.{_camel(name)}")
+    if not math.isfinite(h.stall_seconds) or h.stall_seconds < 0:
+        raise ConfigError(f"health.stallSeconds: must be >= 0 (0 = off), got {h.stall_seconds}")
     if h.max_ejection_seconds < h.ejection_seconds:
         raise ConfigError(
             f"health.maxEjectionSeconds: must be >= health.ejectionSeconds ({h.ejection_seconds}),"

@@ -119,22 +119,29 @@ class EndpointPool:
 
     def report_failure(self, ep: Endpoint) -> None:
         ep.passive_failures += 1
+        if ep.healthy and ep.passive_failures >= self.health.passive_failure_threshold:
+            self.eject(ep, f"after {ep.passive_failures} failures")
+
+    def eject(self, ep: Endpoint, why: str) -> None:
+        """Take ``ep`` out now for ``health.ejectionSeconds``, doubled with each ejection in a
+        row (up to ``maxEjectionSeconds``); its checks re-admit it after that."""
         h = self.health
-        if ep.healthy and ep.passive_failures >= h.passive_failure_threshold:
-            ep.healthy = False
-            ep.consec_ok = 0
-            ep.ejections += 1
-            out = min(h.max_ejection_seconds, h.ejection_seconds * 2 ** (ep.ejections - 1))
-            ep.ejected_until = time.monotonic() + out
-            ep.learnt = False  # it may come back restarted
-            log.warning(
-                "pool %s: ejected %s after %d failures for %.0f s (ejection %d in a row)",
-                self.name,
-                ep.base,
-                ep.passive_failures,
-                out,
-                ep.ejections,
-            )
+        was = ep.healthy
+        ep.healthy = False
+        ep.consec_ok = 0
+        ep.ejections += 1
+        out = min(h.max_ejection_seconds, h.ejection_seconds * 2 ** (ep.ejections - 1))
+        ep.ejected_until = time.monotonic() + out
+        ep.learnt = False  # it may come back restarted
+        log.warning(
+            "pool %s: ejected %s %s for %.0f s (ejection %d in a row)",
+            self.name,
+            ep.base,
+            why,
+            out,
+            ep.ejections,
+        )
+        if was:
             self._refresh_healthy()
 
     def relearn(self, ep: Endpoint) -> None:
@@ -178,16 +185,20 @@ class EndpointPool:
                 self._refresh_healthy()
 
     # ------------------------------------------------------------------ active checks
-    async def _check(self, ep: Endpoint) -> None:
+    async def probe(self, ep: Endpoint) -> bool:
+        """Whether ``ep`` answers its health check (``health.path``, 200) within
+        ``health.timeoutSeconds``."""
         assert self._session is not None
-        ok = False
         try:
             async with asyncio.timeout(self.health.timeout_seconds):
                 async with self._session.get(ep.base + self.health.path) as resp:
-                    ok = resp.status == 200
                     await resp.read()
+                    return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
-            ok = False
+            return False
+
+    async def _check(self, ep: Endpoint) -> None:
+        ok = await self.probe(ep)
         if ok and not ep.learnt and not ep.removed:
             # before it is admitted: a request must not see it with last life's revision
             await self._learn(ep)

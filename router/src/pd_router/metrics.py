@@ -209,6 +209,13 @@ class Metrics:
         self.retries = Counter(
             "pd_router_retries", "Requests retried on another endpoint", ["pool"], registry=r
         )
+        self.stalls = Counter(
+            "pd_router_engine_stalls",
+            "Engines found stalled (silent with calls waiting, health check failed): ejected, "
+            "the calls waiting on them failed at once",
+            ["pool"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "pd_router_healthy_endpoints",
             "Healthy endpoints by pool",

@@ -12,7 +12,10 @@ aborts the request. A pooled connection the engine closed while idle is detected
 close races the request, the request is sent once more on a new connection); a connection that
 receives bytes while idle is dropped. ``post(on_done=...)`` binds a callback (an endpoint
 lease's release, ``pd_router.lease``) to the response: it runs exactly once, when the response
-is released or closed, or when ``post`` itself fails.
+is released or closed, or when ``post`` itself fails. Each engine's connections waiting on it
+and a count of what it sent and was sent (:meth:`UpstreamClient.waiting_on`) let
+pd_router.stall find an engine that has gone silent and fail what waits on it
+(:meth:`UpstreamClient.abort`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ _HIGH_WATER = 1 << 20
 
 class UpstreamError(ConnectionError):
     """Connection-level failure talking to an engine."""
+
+
+class EngineStalled(TimeoutError):
+    """The engine went silent with calls waiting on it and did not answer its health check
+    (pd_router.stall): what waited on it fails now, as a timeout would later."""
 
 
 class _Conn(asyncio.Protocol):
@@ -62,6 +70,7 @@ class _Conn(asyncio.Protocol):
             self.close()
             return
         self.got_bytes = True
+        self.pool.heard += 1
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -70,6 +79,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.pool.busy.discard(self)
         r = self.resp
         if r is not None and not r.complete:
             if exc is None and r.status and r.until_eof:
@@ -129,6 +139,7 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self.pool.busy.discard(self)
         if self.transport is not None:
             self.transport.close()
 
@@ -267,6 +278,7 @@ class Response:
     def release(self) -> None:
         conn = self._conn
         conn.resp = None
+        conn.pool.busy.discard(conn)
         if self.complete and self.keep_alive and not conn.closed and not self._buf:
             conn.pool.put(conn)
         else:
@@ -285,7 +297,7 @@ def _timeout(fut: asyncio.Future[None]) -> None:
 
 
 class _HostPool:
-    __slots__ = ("host", "host_header", "idle", "port", "starts", "tls")
+    __slots__ = ("busy", "heard", "host", "host_header", "idle", "port", "starts", "tls")
 
     def __init__(self, host: str, port: int, tls: bool) -> None:
         self.host = host
@@ -294,6 +306,10 @@ class _HostPool:
         self.host_header = f"{host}:{port}".encode()
         self.idle: list[_Conn] = []
         self.starts: dict[str, bytes] = {}
+        self.busy: set[_Conn] = set()  # sent a request, its response not released or closed
+        # requests sent and reads received: unchanged between two looks, the engine said
+        # nothing (a counter, not a clock: no time call per chunk on the hot path)
+        self.heard = 0
 
     def put(self, conn: _Conn) -> None:
         if len(self.idle) < 1024:
@@ -391,6 +407,8 @@ class UpstreamClient:
                 resp = Response(conn, idle_timeout)
                 conn.resp = resp
                 conn.got_bytes = False
+                pool.busy.add(conn)
+                pool.heard += 1
                 assert conn.transport is not None
                 conn.transport.write(data)
                 try:
@@ -410,6 +428,25 @@ class UpstreamClient:
             if on_done is not None:
                 on_done()
             raise
+
+    def waiting_on(self, host: str, port: int, tls: bool) -> tuple[int, int]:
+        """(calls waiting on the engine, requests sent to it and reads from it so far)."""
+        p = self._pools.get((host, port, tls))
+        return (0, 0) if p is None else (len(p.busy), p.heard)
+
+    def abort(self, host: str, port: int, tls: bool, exc: Exception) -> int:
+        """Fail every call waiting on the engine with ``exc`` now and close its connections
+        (the engine aborts them when it sees the close); returns how many."""
+        p = self._pools.get((host, port, tls))
+        if p is None:
+            return 0
+        calls = list(p.busy)
+        for conn in calls:
+            r, conn.resp = conn.resp, None  # its connection's loss must not speak over exc
+            conn.close()
+            if r is not None and not r.complete:
+                r._fail(exc, stale=False)
+        return len(calls)
 
     def close(self) -> None:
         for p in self._pools.values():

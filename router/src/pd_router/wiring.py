@@ -14,6 +14,8 @@ from pd_router.costs import CostModel
 from pd_router.discovery import EndpointPool
 from pd_router.kv_events import KvEventIndex
 from pd_router.metrics import Metrics
+from pd_router.stall import StallWatch
+from pd_router.upstream import UpstreamClient
 
 log = logging.getLogger("pd_router")
 
@@ -46,6 +48,15 @@ def pools(
 def each_pool(prefill: EndpointPool, decode: EndpointPool) -> tuple[EndpointPool, ...]:
     """The pools, each once (one under the flexible layout)."""
     return (decode,) if prefill is decode else (prefill, decode)
+
+
+def stall_watch(
+    cfg: RouterConfig, up: UpstreamClient, pools: tuple[EndpointPool, ...], m: Metrics
+) -> StallWatch | None:
+    """The watch for stalled engines (pd_router.stall); none with ``health.stallSeconds`` 0."""
+    if not cfg.health.stall_seconds:
+        return None
+    return StallWatch(up, pools, cfg.health, lambda pool: m.stalls.labels(pool).inc())
 
 
 def cost_model(cfg: RouterConfig, m: Metrics) -> CostModel | None:

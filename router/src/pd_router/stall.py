@@ -1,0 +1,107 @@
+"""Stalled engines (``health.stallSeconds``): found within seconds, not at a request's timeout.
+
+An engine that has calls waiting on it and has sent the router nothing for ``stallSeconds`` is
+asked its health check (``health.path`` within ``health.timeoutSeconds``). If that fails too,
+the engine is stalled (its processes stopped, a frozen host, a path that drops packets without
+a reset): it is ejected at once, as after passive failures (``health.ejectionSeconds``, doubled
+with each ejection in a row, then re-admitted by its checks), and every call waiting on it fails
+now with :class:`pd_router.upstream.EngineStalled`, a timeout. So a decoder leg that sent the
+client nothing is retried on another decoder, a prefill falls back to serving whole, and a
+stream already relayed ends with its error event, instead of each waiting out
+``firstByteSeconds`` or ``streamIdleSeconds`` (300 s and 120 s by default).
+
+An engine that is only slow (a long prefill, an answer not streamed) still answers its health
+check: vLLM serves ``/health`` from its API server process, which asks the engine core nothing
+(``AsyncLLM.check_health`` checks only that the core has not died; vllm/v1/engine/async_llm.py,
+0.31.0 and 0.33.0). The other side of that: an engine core that hangs while its API server runs
+(a wedged GPU) answers ``/health`` and is not found here; its calls end at their timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from pd_router.config import Health
+from pd_router.discovery import Endpoint, EndpointPool
+from pd_router.upstream import EngineStalled, UpstreamClient
+
+log = logging.getLogger("pd_router.stall")
+
+# Looks per stallSeconds: a stall is found within stallSeconds x (1 + 1/LOOKS) plus the check.
+LOOKS = 5
+
+
+class StallWatch:
+    """Looks at every engine of ``pools`` every ``stallSeconds / LOOKS`` (at most once a second)."""
+
+    def __init__(
+        self,
+        up: UpstreamClient,
+        pools: Sequence[EndpointPool],
+        health: Health,
+        on_stall: Callable[[str], None],
+    ) -> None:
+        self.up = up
+        self.pools = pools
+        self.seconds = health.stall_seconds
+        self.period = min(1.0, self.seconds / LOOKS)
+        self.on_stall = on_stall  # told the pool's name of each stall found
+        # per engine (host, port, tls): (its count of what it sent and was sent, since when)
+        self._quiet: dict[tuple[str, int, bool], tuple[int, float]] = {}
+        self._asking: set[tuple[str, int, bool]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)  # the watch's period, not a synchronisation
+            self.look(time.monotonic())
+
+    def look(self, now: float) -> None:
+        """Start a health check of each engine silent for ``stallSeconds`` with calls waiting."""
+        where: dict[tuple[str, int, bool], list[tuple[EndpointPool, Endpoint]]] = {}
+        for pool in self.pools:
+            for ep in list(pool.endpoints.values()):
+                where.setdefault((ep.host, ep.port, ep.tls), []).append((pool, ep))
+        for key, held in where.items():
+            waiting, heard = self.up.waiting_on(*key)
+            quiet = self._quiet.get(key)
+            if not waiting or quiet is None or quiet[0] != heard:
+                self._quiet[key] = (heard, now)
+            elif now - quiet[1] >= self.seconds and key not in self._asking:
+                self._asking.add(key)
+                task = asyncio.get_running_loop().create_task(self._ask(held, key, heard))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        for key in self._quiet.keys() - where.keys():
+            del self._quiet[key]
+
+    async def _ask(
+        self,
+        held: list[tuple[EndpointPool, Endpoint]],
+        key: tuple[str, int, bool],
+        heard: int,
+    ) -> None:
+        """Ask the engine (in each pool that holds it) its health check; stalled, eject it
+        from each and fail what waits on it."""
+        pool, ep = held[0]
+        try:
+            ok = await pool.probe(ep)
+        finally:
+            self._asking.discard(key)
+        waiting, now_heard = self.up.waiting_on(*key)
+        if ok or now_heard != heard or not waiting:
+            self._quiet[key] = (now_heard, time.monotonic())  # alive: another stallSeconds
+            return
+        for pool, ep in held:
+            pool.eject(ep, f"silent {self.seconds:g} s with calls waiting, its health check failed")
+            self.on_stall(pool.name)
+        failed = self.up.abort(*key, EngineStalled(f"engine {ep.base} stalled"))
+        self._quiet.pop(key, None)
+        log.warning("%s stalled: %d calls on it failed", ep.base, failed)
+
+    def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
