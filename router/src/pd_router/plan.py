@@ -32,24 +32,24 @@ do, and the others keep their speed. On engines that do not crowd each other (GP
 that would only queue short prompts behind each other: there, the earliest first token. And
 where engines crowd each other as much as ``CROWD_CONSOLIDATE`` (pd_router.costs: one at work at
 least doubles the others' steps), a prompt of one chunk (vLLM's ``max_num_batched_tokens``) is
-first weighed for the engine with the most streams alone, and served whole there while that
-risks at most ``WAKE`` expected misses (``one_engine_enough``). Not a longer one: its chunks'
-steps hold the prompts that arrive behind it, which no option's weighing charges (kept there
-too, mixed traffic at 0.9 of capacity missed 28 first tokens of 141 against the fixed split's
-19, 0.77 x its goodput, on the real engines on 2026-12-06). On this project's CPU engines two
-engines at work each decode 2.6-4.7 x slower than one alone, so one engine serves more within
-the SLOs than two, and the per-request weighing, which prices an option from the state it finds,
-cannot see that: once the other engine is at work for the requests before, every option is
-weighed crowded. Splits are weighed only when the best whole option risks more than ``TIE``
-(``handoff_not_worth`` otherwise, decided after weighing each engine once). Because a request
-decoding on an engine whose gaps are often stretched risks its ITL, streams drift to the engines
-that prefill least, and prefills to the engines whose streams they harm least: the engines
-settle into prefill and decode roles as the traffic asks, and back again when it changes,
-without a pod changing.
+first weighed for the engines at work alone and served whole on the one that risks the fewest
+expected misses (within ``TIE``, the one with the most streams) while that risks at most
+``WAKE`` (``one_engine_enough``). Not a longer one: its chunks' steps hold the prompts that
+arrive behind it, which no option's weighing charges (kept there too, mixed traffic at 0.9 of
+capacity missed 28 first tokens of 141 against the fixed split's 19, 0.77 x its goodput, on the
+real engines on 2026-12-06). On this project's CPU engines two engines at work each decode
+2.6-4.7 x slower than one alone, so one engine serves more within the SLOs than two, and the
+per-request weighing, which prices an option from the state it finds, cannot see that: once the
+other engine is at work for the requests before, every option is weighed crowded. Splits are
+weighed only when the best whole option risks more than ``TIE`` (``handoff_not_worth``
+otherwise, decided after weighing each engine once). Because a request decoding on an engine
+whose gaps are often stretched risks its ITL, streams drift to the engines that prefill least,
+and prefills to the engines whose streams they harm least: the engines settle into prefill and
+decode roles as the traffic asks, and back again when it changes, without a pod changing.
 
 Reasons (``x-pd-reason``, pd_router.metrics.DECIDED): ``handoff_not_worth`` (whole; its risk is
-within ``TIE``, so no split could do better), ``one_engine_enough`` (whole on the engine with
-the most streams, where engines crowd each other: within ``WAKE``), ``whole_best`` (whole;
+within ``TIE``, so no split could do better), ``one_engine_enough`` (whole on an engine at
+work, where engines crowd each other: within ``WAKE``), ``whole_best`` (whole;
 splits were weighed and lost), ``split_protects_itl`` (split; a whole option risks more ITL
 misses, this request's or other streams'), ``split_faster`` (split; a whole option risks more
 TTFT misses). The predicted figures go back in ``x-pd-predicted`` and in the trace, and the
@@ -249,15 +249,38 @@ class Planner:
         bound = self.model.ttft_bound(prompt)
         if self.model.crowded:
             if self.model.consolidate and decoders[1:]:
-                primary = max(decoders, key=lambda ep: self._costs(ep, now).decoding)
-                c = self._costs(primary, now)
-                if c.decoding and c.steps_of(max(1, prompt - held(primary))) == 1:
-                    one = [primary]
-                    kept = self._choose(prompt, held, one, one, out, bound, now, PACK).option
-                    if kept.misses <= WAKE:
-                        return Choice(kept, "one_engine_enough")
+                kept = self._one_engine(prompt, held, decoders, out, bound, now)
+                if kept is not None and kept.misses <= WAKE:
+                    return Choice(kept, "one_engine_enough")
             return self._choose(prompt, held, decoders, prefillers, out, bound, now, PACK)
         return self._choose(prompt, held, decoders, prefillers, out, bound, now, -1.0)
+
+    def _one_engine(
+        self,
+        prompt: int,
+        held: Held,
+        decoders: Sequence[Endpoint],
+        out: int,
+        bound: float,
+        now: float,
+    ) -> Option | None:
+        """The one-engine rule's candidate: the prompt whole on an engine already at work, the
+        one that risks the fewest expected misses, or, within ``TIE`` of that, the one with
+        the most streams; None where no engine is at work or the prompt is longer than a
+        chunk. Not simply the engine with the most streams: engines are not alike (on this
+        project's CPU machines core 0's decodes about twice as slowly), and kept on the
+        slower one, short prompts at 0.9 of capacity were served at 0.57 x the fixed split,
+        whose one decoder was the faster (2026-12-06)."""
+        kept: Option | None = None
+        for ep in decoders:
+            c = self._costs(ep, now)
+            tokens = max(1, prompt - held(ep))
+            if not c.decoding or c.steps_of(tokens) != 1:
+                continue
+            o = self.whole(ep, tokens, out, bound, now)
+            if kept is None or _kept_rather(o, kept):
+                kept = o
+        return kept
 
     def _choose(
         self,
@@ -335,6 +358,14 @@ class Planner:
                 if best is None or o.better(best, pack):
                     best = o
         return best
+
+
+def _kept_rather(o: Option, kept: Option) -> bool:
+    """The one-engine rule's order: fewer expected misses by more than ``TIE``; within it, more
+    streams (alike engines keep the work where it is)."""
+    if o.misses < kept.misses - TIE:
+        return True
+    return o.misses <= kept.misses + TIE and o.streams > kept.streams
 
 
 def ttft_miss(predicted: float, bound: float) -> float:

@@ -251,6 +251,28 @@ def test_where_engines_crowd_each_other_one_engine_serves_what_it_can_alone() ->
     assert reason != "one_engine_enough", (decoder, reason)
 
 
+def test_where_engines_crowd_each_other_one_engine_means_the_one_that_serves_best_alone() -> None:
+    """Both engines at work: the short prompt goes whole to the one that risks the fewest
+    expected misses, not to the one with the most streams (a's streams saw their gaps
+    stretched: a decodes slower); alike engines keep it where the most streams are."""
+
+    def choose(a_slow_seen: int) -> tuple[str, str]:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        decoding(model, a, 4, out=40, slow_seen=a_slow_seen, fast_seen=10)
+        decoding(model, b, 1, out=40, fast_seen=10)
+        for e in (a, b):
+            costs(model, e).step.crowding = CROWD_CONSOLIDATE
+        model.crowded = model.consolidate = True
+        choice = planner.choose(50, NONE, [a, b], [a, b], 40, clock())
+        assert choice is not None
+        return choice.option.decoder.base, choice.reason
+
+    a, b = engines("a", "b")
+    assert choose(a_slow_seen=3) == (b.base, "one_engine_enough")
+    assert choose(a_slow_seen=0) == (a.base, "one_engine_enough")  # negative control: alike
+
+
 def test_where_engines_crowd_each_other_a_prompt_of_several_chunks_is_weighed_everywhere() -> None:
     """The one-engine rule keeps prompts of one chunk only: a longer one holds the prompts that
     arrive behind it for its chunks' steps, which no option's weighing charges. Here a prompt
