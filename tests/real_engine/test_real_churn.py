@@ -112,3 +112,65 @@ def test_churn_a_decoder_stopped_mid_stream_then_resumed(
     print(f"churn: decoder resumed: disaggregated again {time.monotonic() - t1:.1f} s after the resume")
     assert again.route == "disaggregated"
     assert again.text == colocated(pd["decode"].url, model_name, True, prompt).text
+
+
+def disaggregated_again(router: Proc, pd: dict[str, engines.Engine], model_name: str, tag: str) -> float:
+    """Seconds until a long prompt is disaggregated again with the colocated answer; every answer
+    meanwhile (served whole as a fallback while a pair is not back) must be the right one."""
+    t0 = time.monotonic()
+    back(router, "prefill")
+    back(router, "decode")
+    for i in range(20):  # (its revision learnt at the check that admits it: a fallback or two)
+        prompt = text(f"{tag}-{i}", LONG_WORDS)
+        got = ask(router.url(), model_name, True, prompt, False)
+        assert got.text == colocated(pd["decode"].url, model_name, True, prompt).text, (got.route, got.reason)
+        if got.route == "disaggregated":
+            return time.monotonic() - t0
+    raise AssertionError(f"{tag}: never disaggregated again")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_churn_an_engine_restarted_on_its_address(
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, role: str
+) -> None:
+    """The engine is replaced by a new one (a new NIXL engine id) on the same address while the
+    other still holds the old one's handshake (vLLM issue 49238: a prefiller restart segfaulted
+    the decoder; SGLang's gateway issue 2503 the reverse): the other engine lives on, and the
+    next long prompts are disaggregated again with the right answers."""
+    warm = text(f"churn-{role}-restart-warm", LONG_WORDS)
+    assert ask(router.url(), model_name, True, warm, False).route == "disaggregated"  # a handshake held
+    other = pd["decode" if role == "prefill" else "prefill"]
+    pd[role].restart()
+    engines.wait_ready([pd[role]])
+    took = disaggregated_again(router, pd, model_name, f"churn-{role}-restarted")
+    print(f"churn: {role} restarted on its address: disaggregated again {took:.1f} s after it was ready")
+    assert other.popen is not None and other.popen.poll() is None, other.log_tail()
+
+
+def test_churn_a_decoder_killed_mid_stream(router: Proc, pd: dict[str, engines.Engine], model_name: str) -> None:
+    """SIGKILL mid-stream: the stream ends with the router's error event (the decoder is the only
+    one), the prefiller lives on; a new decoder on the same address serves again."""
+    c = openai.OpenAI(base_url=router.url() + "/v1", api_key="none", max_retries=0, timeout=CLIENT_SECONDS)
+    t0 = 0.0
+    with pytest.raises(openai.APIError) as caught:  # noqa: PT012 - the fault comes mid-stream
+        stream = c.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": text("churn-decoder-killed", 20)}],
+            max_tokens=1500,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not t0:
+                pd["decode"].signal(signal.SIGKILL)
+                t0 = time.monotonic()
+    print(f"churn: decoder killed mid-stream: an error event {time.monotonic() - t0:.1f} s after the kill")
+    assert not isinstance(caught.value, openai.APIConnectionError), caught.value
+    assert t0
+    pre = pd["prefill"]
+    assert pre.popen is not None and pre.popen.poll() is None, pre.log_tail()
+    pd["decode"].restart()
+    engines.wait_ready([pd["decode"]])
+    took = disaggregated_again(router, pd, model_name, "churn-decoder-killed-back")
+    print(f"churn: decoder replaced: disaggregated again {took:.1f} s after it was ready")
