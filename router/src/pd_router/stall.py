@@ -35,7 +35,7 @@ LOOKS = 5
 
 
 class StallWatch:
-    """Looks at every engine of ``pools`` every ``stallSeconds / LOOKS`` (at most once a second)."""
+    """Looks at every engine of ``pools`` every ``stallSeconds / LOOKS``, at most a second apart."""
 
     def __init__(
         self,

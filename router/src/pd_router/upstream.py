@@ -131,6 +131,7 @@ class _Conn(asyncio.Protocol):
         if r is not None:
             r.complete = True
             self.resp = None  # whatever the engine sends after this is not ours
+            self.pool.busy.discard(self)  # the engine has said all it will: nothing waits on it
             r._wake()
 
     def _fail(self, exc: Exception) -> None:
