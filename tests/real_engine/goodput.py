@@ -86,8 +86,12 @@ class RealBackend:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.real_engine.goodput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=30.0, help="counted seconds of arrivals per cell")
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds of arrivals before them, not counted")
+    # the grid's options (--mixes, --fractions, --no-extras) apply to both runs; the durations to
+    # the real engines' only (the simulated run's are in its slowed time: pd_router_dev.goodput.sim)
+    p.add_argument("--duration", type=float, default=30.0, help="counted seconds of arrivals per cell (real engines)")
+    p.add_argument(
+        "--warmup", type=float, default=5.0, help="seconds of arrivals before them, not counted (real engines)"
+    )
     p.add_argument("--out", default="bench-results", help="folder for goodput-*.json and goodput.md")
     p.add_argument("--picture", default="docs/goodput.png", help="the heatmap (PNG)")
     p.add_argument("--no-sim", action="store_true", help="the real engines only")
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-extras", action="store_true", help="skip the chat and alternating workloads")
     p.add_argument(
         "--fractions",
-        default=",".join(f"{f:g}" for f in sweep.RATE_FRACTIONS),
+        type=sweep.fractions_arg,
+        default=sweep.RATE_FRACTIONS,
         help="the arrival rates of the grid, as fractions of the colocated capacity",
     )
     p.add_argument("--sim-only", action="store_true", help="the simulated engines only")
@@ -119,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=a.warmup,
                 mixes=tuple(a.mixes.split(",")),
                 extras=not a.no_extras,
-                fractions=tuple(float(f) for f in a.fractions.split(",")),
+                fractions=a.fractions,
             )
             results.append(sweep.Sweep(backend, opts, out, log).run())
         finally:
             backend.stop()
         (out / "goodput-real.json").write_text(json.dumps(results[-1], indent=1))
     if not a.no_sim:
-        simulated.main(["--engines", str(a.sim_engines), "--out", str(out)])
+        fractions = ",".join(f"{f:g}" for f in a.fractions)
+        grid = ["--mixes", a.mixes, "--fractions", fractions] + (["--no-extras"] if a.no_extras else [])
+        simulated.main(["--engines", str(a.sim_engines), "--out", str(out), *grid])
         results.append(json.loads((out / "goodput-sim.json").read_text()))
     md = "\n".join(report.table(r) for r in results)
     (out / "goodput.md").write_text(md)

@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=None)
     p.add_argument("--mixes", default=",".join(m.name for m in workload.MIXES))
     p.add_argument(
+        "--fractions",
+        type=sweep.fractions_arg,
+        default=sweep.RATE_FRACTIONS,
+        help="the arrival rates of the grid, as fractions of the colocated capacity",
+    )
+    p.add_argument(
         "--no-extras", action="store_true", help="skip the chat and alternating workloads"
     )
     p.add_argument("--out", default="bench-results", help="folder for goodput-*.json and .md")
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         clients_per_engine=32,
         mixes=tuple(a.mixes.split(",")),
         extras=not a.no_extras,
+        fractions=a.fractions,
     )
     out = Path(a.out)
     with Stack() as stack:

@@ -15,6 +15,7 @@ every second (who prefilled, who decoded, as the mix moved)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import json
@@ -33,6 +34,20 @@ from pd_router_dev.goodput.slo import Slo, Unloaded
 
 SETUPS = ("colocated", "split", "goodput")
 RATE_FRACTIONS = (0.3, 0.6, 0.9)
+
+
+def fractions_arg(text: str) -> tuple[float, ...]:
+    """``--fractions``: comma-separated arrival rates, each a fraction of the colocated
+    capacity in (0, 2] (an argparse ``type``: a bad one is a usage error naming the option)."""
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not numbers: {text!r}") from None
+    if not out or not all(0 < f <= 2 for f in out):
+        raise argparse.ArgumentTypeError(f"each must be in (0, 2]: {text!r}")
+    return out
+
+
 NEVER = 1 << 30  # a threshold no prompt reaches: colocated serving
 SPLIT_THRESHOLD = 1024  # the chart's router.threshold default: today's decision
 

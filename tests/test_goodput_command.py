@@ -1,0 +1,39 @@
+"""`make goodput`'s command line (`python -m tests.real_engine.goodput`): the grid's options reach
+the simulated run too (it ran the whole grid whatever was asked, 2026-12-06), and a bad
+`--fractions` is a usage error naming the option. Nothing is started: the simulated run is
+replaced by a stub that records what it was asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pd_router_dev.goodput import sim
+
+from tests.real_engine import goodput
+
+
+def test_the_grid_options_reach_the_simulated_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: list[list[str]] = []
+
+    def stub(argv: list[str]) -> int:
+        seen.append(argv)
+        raise SystemExit(0)  # before a result is read
+
+    monkeypatch.setattr(goodput.simulated, "main", stub)
+    with pytest.raises(SystemExit):
+        goodput.main(
+            ["--sim-only", "--mixes", "short", "--fractions", "0.5,0.9", "--no-extras", "--out", str(tmp_path)]
+        )
+    (argv,) = seen
+    assert argv[argv.index("--mixes") + 1] == "short"
+    assert argv[argv.index("--fractions") + 1] == "0.5,0.9"
+    assert "--no-extras" in argv
+
+
+@pytest.mark.parametrize("main", [sim.main, goodput.main], ids=["simulated", "sweep"])
+def test_bad_fractions_are_a_usage_error(main, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as bad:
+        main(["--fractions", "0.5,x"])
+    assert bad.value.code == 2
+    assert "--fractions: not numbers: '0.5,x'" in capsys.readouterr().err
