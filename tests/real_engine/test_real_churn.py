@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import openai
 import pytest
@@ -76,34 +76,47 @@ def test_churn_a_prefiller_stopped_then_resumed(
     assert again.text == colocated(pd["decode"].url, model_name, True, text("churn-prefiller-back", LONG_WORDS)).text
 
 
-def test_churn_a_decoder_stopped_mid_stream_then_resumed(
-    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None
-) -> None:
-    stalls = metric(router, "pd_router_engine_stalls_total", pool="decode")
+STREAM_TOKENS = 1500  # about 15 s of decoding: the fault always comes mid-stream
+
+
+def stream_with_a_fault(router: Proc, model_name: str, tag: str, fault: Callable[[], None]) -> tuple[float, int]:
+    """A long stream through the router with ``fault()`` done at its first token; it must end with
+    the router's error event, not the client giving up. Returns (seconds from the fault to that
+    event, chunks read)."""
     c = openai.OpenAI(base_url=router.url() + "/v1", api_key="none", max_retries=0, timeout=CLIENT_SECONDS)
     pieces = 0
     t0 = 0.0
     with pytest.raises(openai.APIError) as caught:  # noqa: PT012 - the fault comes mid-stream
-        try:
-            stream = c.chat.completions.create(
-                model=model_name,
-                messages=[{"role": "user", "content": text("churn-decoder-stopped", 20)}],
-                max_tokens=1500,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-                stream=True,
-            )
-            for chunk in stream:
-                pieces += 1
-                if chunk.choices and chunk.choices[0].delta.content and not t0:
-                    pd["decode"].signal(signal.SIGSTOP)  # the stream has begun
-                    t0 = time.monotonic()
-        finally:
-            pd["decode"].signal(signal.SIGCONT)
-    print(f"churn: decoder stopped mid-stream: an error event {time.monotonic() - t0:.1f} s after the stop")
-    # the router's error event, not the client giving up
+        stream = c.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": text(tag, 20)}],
+            max_tokens=STREAM_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+        for chunk in stream:
+            pieces += 1
+            if chunk.choices and chunk.choices[0].delta.content and not t0:
+                fault()
+                t0 = time.monotonic()
+    took = time.monotonic() - t0
     assert not isinstance(caught.value, openai.APIConnectionError), caught.value
-    assert t0 and pieces < 1500
+    assert t0 and pieces < STREAM_TOKENS
+    return took, pieces
+
+
+def test_churn_a_decoder_stopped_mid_stream_then_resumed(
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None
+) -> None:
+    stalls = metric(router, "pd_router_engine_stalls_total", pool="decode")
+    try:
+        took, _ = stream_with_a_fault(
+            router, model_name, "churn-decoder-stopped", lambda: pd["decode"].signal(signal.SIGSTOP)
+        )
+    finally:
+        pd["decode"].signal(signal.SIGCONT)
+    print(f"churn: decoder stopped mid-stream: an error event {took:.1f} s after the stop")
     assert metric(router, "pd_router_engine_stalls_total", pool="decode") == stalls + 1
     t1 = time.monotonic()
     back(router, "decode")
@@ -150,24 +163,10 @@ def test_churn_an_engine_restarted_on_its_address(
 def test_churn_a_decoder_killed_mid_stream(router: Proc, pd: dict[str, engines.Engine], model_name: str) -> None:
     """SIGKILL mid-stream: the stream ends with the router's error event (the decoder is the only
     one), the prefiller lives on; a new decoder on the same address serves again."""
-    c = openai.OpenAI(base_url=router.url() + "/v1", api_key="none", max_retries=0, timeout=CLIENT_SECONDS)
-    t0 = 0.0
-    with pytest.raises(openai.APIError) as caught:  # noqa: PT012 - the fault comes mid-stream
-        stream = c.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": text("churn-decoder-killed", 20)}],
-            max_tokens=1500,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-            stream=True,
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and not t0:
-                pd["decode"].signal(signal.SIGKILL)
-                t0 = time.monotonic()
-    print(f"churn: decoder killed mid-stream: an error event {time.monotonic() - t0:.1f} s after the kill")
-    assert not isinstance(caught.value, openai.APIConnectionError), caught.value
-    assert t0
+    took, _ = stream_with_a_fault(
+        router, model_name, "churn-decoder-killed", lambda: pd["decode"].signal(signal.SIGKILL)
+    )
+    print(f"churn: decoder killed mid-stream: an error event {took:.1f} s after the kill")
     pre = pd["prefill"]
     assert pre.popen is not None and pre.popen.poll() is None, pre.log_tail()
     pd["decode"].restart()
