@@ -425,8 +425,6 @@ class EngineCosts:
     """One engine's fits and what it carries (see the module docstring)."""
 
     __slots__ = (
-        "arrival_tokens",
-        "arrivals",
         "base",
         "chunk",
         "clock",
@@ -486,10 +484,6 @@ class EngineCosts:
         self.queued_slow = 0.0  # slow steps those prefills are expected to cause
         self.decoding = 0  # streams decoding here
         self.jobs: set[Job] = set()
-        # prompts sent here to be prefilled, per second, and their mean uncached tokens: the
-        # requests that will come while a prefill placed here runs and wait behind it
-        self.arrivals = Rate(self.tau)
-        self.arrival_tokens = 0.0
         # whole answers not streamed: the router never sees their first token, so each leaves
         # the queue when its prefill was predicted to end (refresh)
         self.unseen: dict[Job, None] = {}  # (a set in the order they came)
@@ -562,12 +556,6 @@ class EngineCosts:
             self.q_sq + tokens * tokens,
             self.q_steps + self.steps_of(tokens),
         )
-
-    def own_prefill_seconds(self, tokens: int) -> float:
-        """What a prompt of ``tokens`` uncached tokens adds to this engine's queue: its own
-        prefill, without the step running or the prompts ahead."""
-        p = self.prefill
-        return p.b * tokens + p.q * tokens * tokens + p.c * self.steps_of(tokens)
 
     def queue_seconds(self) -> float:
         """What the prompts queued here add to the first token of a request that arrives now
@@ -735,9 +723,6 @@ class EngineCosts:
             self.q_tokens += tokens
             self.q_sq += tokens * tokens
             self.q_steps += job.steps
-            self.arrivals.add(1.0, now)
-            a = self.arrival_tokens
-            self.arrival_tokens = tokens if not a else a + (tokens - a) / 16.0
             self.queued_slow += slow
             if slow:
                 self.slow.add(slow, now)

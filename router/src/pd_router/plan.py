@@ -11,9 +11,6 @@ For every option the router predicts:
 - its **ITL p95**: the decoding engine's step time with one more stream, and how many of its
   gaps will pass the ITL bound while it decodes (the share of that engine's gaps its streams
   saw past the bound over the window, whatever stretched them, times the request's tokens);
-- the requests it **holds behind** it, where engines crowd each other as much as
-  ``CROWD_CONSOLIDATE`` (:meth:`Planner.behind`): those expected to come to the engine that
-  prefills it while that prefill runs, each past its TTFT bound the more likely;
 - the **harm** it does: the streams decoding on the engine that prefills it which this
   prefill's stretched steps push past their ITL p95 (each stream's slow-gap budget is 5 % of
   its output tokens, less the slow gaps it has seen and those the prefills queued ahead will
@@ -24,7 +21,7 @@ For every option the router predicts:
 It then counts the **expected SLO misses** of each option: the chance that its TTFT passes its
 bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance that more of
 its gaps than its budget pass the ITL bound (Poisson at the expected count), 1 when its step
-alone passes it, the requests it holds behind it and the streams it harms.
+alone passes it, and the streams it harms.
 
 **The rule**: a split must risk ``TIE`` fewer expected misses than the best whole option (a
 hand-off must earn its risk); among the rest, the fewest expected misses, then the earliest
@@ -213,30 +210,6 @@ class Planner:
                 total += e.harm(extra / after * more, now)
         return total
 
-    def behind(self, c: EngineCosts, tokens: int, now: float) -> float:
-        """The requests expected to come to ``c`` while its queue and a prompt of ``tokens``
-        placed there now are prefilled, whose first token that prompt pushes past their TTFT
-        bound: vLLM schedules a running prefill's chunks before any waiting request
-        (``v1/core/sched/scheduler.py``, 0.31.0), so one arriving before it starts waits all
-        of it, one arriving while it runs what is left of it. Arrivals at the rate and of the
-        size of the prompts recently sent there. Counted only where engines crowd each other as
-        much as ``CROWD_CONSOLIDATE``, where the one-engine rule keeps sending the short
-        prompts to one engine: in mixed traffic at 0.9 of capacity a run of long prompts served
-        whole there held 15 short ones behind them, first tokens after 2 s against a bound of
-        0.2 s, while the weighing charged them nothing (real engines, 2026-12-06)."""
-        rate = c.arrivals.value(now)
-        if rate <= 0.0:
-            return 0.0
-        own = c.own_prefill_seconds(tokens)
-        typical = max(1, int(c.arrival_tokens))
-        bound = self.model.ttft_bound(typical)
-        base = c.prefill_seconds(typical)
-        before = ttft_miss(base, bound)
-        total = rate * c.queue_seconds() * (ttft_miss(base + own, bound) - before)
-        for at in _BEHIND_POINTS:  # arrivals while it runs, at four points of it
-            total += rate * own * 0.25 * (ttft_miss(base + own * at, bound) - before)
-        return max(0.0, total)
-
     def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
         c = self._costs(ep, now)
         ttft = c.prefill_seconds(tokens)
@@ -245,8 +218,6 @@ class Planner:
         harm = c.harm(slow, now)
         itl_misses = itl_miss + harm + self.crowding(c, ttft + out * step, now)
         misses = ttft_miss(ttft, bound) + itl_misses
-        if self.model.consolidate:
-            misses += self.behind(c, tokens, now)
         return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm)
 
     def retimed(self, o: Option, tokens: int, bound: float, now: float) -> Option:
@@ -259,8 +230,6 @@ class Planner:
         harm = c.harm(slow, now)
         itl_misses = o.itl_misses - o.harm + harm
         misses = ttft_miss(ttft, bound) + itl_misses
-        if self.model.consolidate:
-            misses += self.behind(c, tokens, now)
         return Option(o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm)
 
     def choose(
@@ -279,11 +248,12 @@ class Planner:
         out = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
         bound = self.model.ttft_bound(prompt)
         if self.model.crowded:
+            weighed: dict[str, Option] = {}
             if self.model.consolidate and decoders[1:]:
-                kept = self._one_engine(prompt, held, decoders, out, bound, now)
+                kept = self._one_engine(prompt, held, decoders, out, bound, now, weighed)
                 if kept is not None and kept.misses <= WAKE:
                     return Choice(kept, "one_engine_enough")
-            return self._choose(prompt, held, decoders, prefillers, out, bound, now, PACK)
+            return self._choose(prompt, held, decoders, prefillers, out, bound, now, PACK, weighed)
         return self._choose(prompt, held, decoders, prefillers, out, bound, now, -1.0)
 
     def _one_engine(
@@ -294,6 +264,7 @@ class Planner:
         out: int,
         bound: float,
         now: float,
+        weighed: dict[str, Option],
     ) -> Option | None:
         """The one-engine rule's candidate: the prompt whole on an engine already at work, the
         one that risks the fewest expected misses, or, within ``TIE`` of that, the one with
@@ -301,14 +272,15 @@ class Planner:
         chunk. Not simply the engine with the most streams: engines are not alike (on this
         project's CPU machines core 0's decodes about twice as slowly), and kept on the
         slower one, short prompts at 0.9 of capacity were served at 0.57 x the fixed split,
-        whose one decoder was the faster (2026-12-06)."""
+        whose one decoder was the faster (2026-12-06). Each option weighed goes in ``weighed``
+        (by engine), for :meth:`_choose` to take rather than weigh again."""
         kept: Option | None = None
         for ep in decoders:
             c = self._costs(ep, now)
             tokens = max(1, prompt - held(ep))
             if not c.decoding or c.steps_of(tokens) != 1:
                 continue
-            o = self.whole(ep, tokens, out, bound, now)
+            o = weighed[ep.base] = self.whole(ep, tokens, out, bound, now)
             if kept is None or _kept_rather(o, kept):
                 kept = o
         return kept
@@ -323,10 +295,13 @@ class Planner:
         bound: float,
         now: float,
         pack: float,
+        weighed: dict[str, Option] | None = None,
     ) -> Choice:
         best: Option | None = None
         for ep in decoders:
-            o = self.whole(ep, max(1, prompt - held(ep)), out, bound, now)
+            o = weighed.get(ep.base) if weighed else None
+            if o is None:
+                o = self.whole(ep, max(1, prompt - held(ep)), out, bound, now)
             if best is None or o.better(best, pack):
                 best = o
         assert best is not None
@@ -364,9 +339,7 @@ class Planner:
             tokens = max(1, prompt - held(x))
             slow = c.slow_steps(tokens)
             pf = c.prefill_seconds(tokens)
-            harm = c.harm(slow, now) + self.crowding(c, pf, now)
-            waits = self.behind(c, tokens, now) if self.model.consolidate else 0.0
-            pre.append((harm + waits, pf, x, slow, waits))
+            pre.append((c.harm(slow, now) + self.crowding(c, pf, now), pf, x, slow))
         pre.sort(key=lambda t: (t[0], t[1]))
         dec = []
         for y in decoders:
@@ -380,14 +353,13 @@ class Planner:
             dec.append((itl_miss, wait, step, y, c.decoding))
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None
-        for cost, pf, x, slow, waits in pre[:PAIR_CANDIDATES]:
-            harm = cost - waits
+        for harm, pf, x, slow in pre[:PAIR_CANDIDATES]:
             for itl_miss, wait, step, y, streams in dec[:PAIR_CANDIDATES]:
                 if y is x or y.revision != x.revision:
                     continue
                 ttft = pf + wait
                 itl_misses = harm + itl_miss
-                misses = ttft_miss(ttft, bound) + itl_misses + waits
+                misses = ttft_miss(ttft, bound) + itl_misses
                 o = Option(y, x, ttft, step, misses, itl_misses, streams, slow, pf, harm)
                 if best is None or o.better(best, pack):
                     best = o
@@ -411,4 +383,3 @@ def ttft_miss(predicted: float, bound: float) -> float:
 
 
 _TTFT_Z = 1.0 / (TTFT_SPREAD * math.sqrt(2.0))
-_BEHIND_POINTS = (0.125, 0.375, 0.625, 0.875)

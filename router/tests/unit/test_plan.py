@@ -19,7 +19,6 @@ from pd_router.costs import (
     Fit,
     Meter,
     PrefillFit,
-    Rate,
     _solve,
     poisson_above,
 )
@@ -301,55 +300,6 @@ def test_where_engines_crowd_each_other_a_prompt_of_several_chunks_is_weighed_ev
     assert decoder == b.base and reason != "one_engine_enough"
     # negative control: a prompt of one chunk stays on a
     assert choose(chunk)[:2] == (a.base, "one_engine_enough")
-
-
-def test_where_engines_crowd_each_other_a_long_prompt_leaves_the_engine_short_prompts_come_to() -> (
-    None
-):
-    """Short prompts come to a at ``arrivals`` a second; a prompt of two chunks prefilled there
-    would hold each one arriving during its 3 s of prefill past its TTFT bound (vLLM runs a
-    started prefill's chunks before any waiting request). Where engines crowd each other as
-    much as ``CROWD_CONSOLIDATE`` that is charged (``Planner.behind``) and the prompt goes to
-    b; with no arrivals, or on engines that crowd each other less, it stays on a."""
-
-    def choose(arrivals: int, crowd: float = CROWD_CONSOLIDATE) -> tuple[str, float]:
-        model, planner, clock = setup()
-        a, b = engines("a", "b")
-        costs(model, b)
-        decoding(model, a, 4, out=200, fast_seen=10)
-        ca = costs(model, a)
-        ca.arrivals = Rate(ca.tau)  # forget the streams' own arrivals: only these count
-        for _ in range(arrivals * int(ca.tau)):
-            ca.arrivals.add(1.0, clock())
-        ca.arrival_tokens = 200.0
-        for e in (a, b):
-            costs(model, e).step.crowding = crowd
-        model.crowded = True
-        model.consolidate = crowd >= CROWD_CONSOLIDATE
-        choice = planner.choose(3000, NONE, [a, b], [a, b], 50, clock())
-        assert choice is not None
-        prefiller = choice.option.prefiller or choice.option.decoder
-        return prefiller.base, planner.behind(ca, 3000, clock())
-
-    a, b = engines("a", "b")
-    where, waits = choose(arrivals=1)
-    assert where == b.base and waits > 1.0  # about 3 short prompts, each near certain to miss
-    assert choose(arrivals=0) == (a.base, 0.0)  # negative control: nothing comes behind it
-    assert choose(arrivals=1, crowd=0.5)[0] == a.base  # negative control: not charged there
-
-
-def test_arrivals_count_the_calls_that_prefill_on_an_engine() -> None:
-    """A whole call and a prefill leg wait in the engine's queue, and what comes after them
-    waits behind them: both count; a decode leg prefills nothing there."""
-    model, _, clock = setup()
-    (a,) = engines("a")
-    c = costs(model, a)
-    c.start("decode", 500, 10, True, clock())
-    assert c.arrivals.value(clock()) == 0.0 and c.arrival_tokens == 0.0
-    c.start("whole", 100, 10, True, clock())
-    c.start("prefill", 500, 0, False, clock())
-    assert c.arrivals.value(clock()) == pytest.approx(2 / c.tau)
-    assert 100 < c.arrival_tokens < 500
 
 
 def test_a_call_is_charged_for_crowding_the_whole_of_its_time_only_where_engines_crowd_much() -> (
