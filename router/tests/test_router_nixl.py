@@ -786,3 +786,58 @@ def test_revision_pairs_learnt_from_the_engines_models_list(stack: Stack) -> Non
     assert (
         metric_value(lone.url(), "pd_router_fallbacks_total", {"reason": "no_revision_pair"}) == 1
     )
+
+
+def test_engines_of_one_revision_with_other_weights_are_not_paired(stack: Stack) -> None:
+    """A prefiller that answers the weights probe unlike the decoder (the simulator's
+    ``--weights-seed``: a pod that loaded another upstream commit under one revision) is paired
+    with nothing of the decoder's weights: long prompts are served whole (fallback
+    ``weights_differ``), the log names both engines and the gauge counts two weight sets. With
+    ``health.weightsCheck`` off (negative control) the same engines are paired."""
+    a = "cccccccccc"
+    alias = f"{MODEL}@kv-{a}"
+    pre = stack.sim("w-prefill", "--kv-connector", "nixl", "--alias", alias, "--weights-seed", "7")
+    dec = stack.sim("w-decode", "--kv-connector", "nixl", "--alias", alias)
+
+    def router(name: str, check: bool) -> Proc:
+        cfg = {
+            "routing": {"connector": "nixl", "threshold": 256, "decision": "length"},
+            "health": {"weightsCheck": check},
+            "pools": {
+                "prefill": {"discovery": "static", "static": [pre.url()]},
+                "decode": {"discovery": "static", "static": [dec.url()]},
+            },
+        }
+        return stack.router(name, write_config(stack.workdir, name, cfg))
+
+    def route(r: Proc) -> tuple[str, str]:
+        h = (
+            client(r)
+            .chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": long_text()}], max_tokens=4
+            )
+            .headers
+        )
+        return h["x-pd-route"], h.get("x-pd-reason", "")
+
+    on = router("w-router", True)
+    assert route(on) == ("fallback", "weights_differ")
+    assert metric_value(on.url(), "pd_router_fallbacks_total", {"reason": "weights_differ"}) == 1
+    # whichever was read first is set 0
+    sets = {
+        pool: [
+            w
+            for w in ("0", "1")
+            if metric_value(
+                on.url(),
+                "pd_router_weight_set_endpoints",
+                {"pool": pool, "revision": a, "weights": w},
+            )
+            == 1
+        ]
+        for pool in ("prefill", "decode")
+    }
+    assert sorted(sets["prefill"] + sets["decode"]) == ["0", "1"], sets
+    (line,) = [x for x in on.log_tail(10**6).splitlines() if "holds other weights than" in x]
+    assert pre.url() in line and dec.url() in line
+    assert route(router("w-router-off", False))[0] == "disaggregated"  # negative control

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.xdist_group("observability")
 
 REQ = "pd_router_requests_total"
 EXT = 'vllm:prompt_tokens_by_source_total{component="decode",source="external_kv_transfer"}'
+REV = "0a1b2c3d4e"  # a KV revision (pd_router.revision)
 # alert -> scenario -> [(live selector to copy labels from, values every minute)]; 40 minutes.
-SCENARIOS: dict[str, dict[str, list[tuple[str, str]]]] = {
+# An input may name labels to change in what it copies: (selector, values, {label: value}).
+SCENARIOS: dict[str, dict[str, list[tuple[str, str] | tuple[str, str, dict[str, str]]]]] = {
     "PDInferenceKVTransferStalled": {
         "firing": [(f'{REQ}{{route="disaggregated",outcome="ok"}}', "0+5x40"), (EXT, "900x40")],
         "healthy": [(f'{REQ}{{route="disaggregated",outcome="ok"}}', "0+5x40"), (EXT, "900+4000x40")],
@@ -48,6 +50,16 @@ SCENARIOS: dict[str, dict[str, list[tuple[str, str]]]] = {
         "firing": [('pd_router_fallbacks_total{reason="no_revision_pair"}', "0+1x100")],
         # a rollout's worth of them, then none: over
         "healthy": [('pd_router_fallbacks_total{reason="no_revision_pair"}', "0+1x20 20x80")],
+    },
+    # two weight sets under one revision (the second series is the first's, its weights label
+    # changed: the live stack's engines all hold one; they are the simulator, which serves no
+    # revision, so the label a chart's engine has is set too)
+    "PDInferenceWeightsDiffer": {
+        "firing": [('pd_router_weight_set_endpoints{pool="decode"}', "1x40", {"revision": REV}),
+                   ('pd_router_weight_set_endpoints{pool="decode"}', "1x40", {"revision": REV, "weights": "1"})],
+        # an engine of other weights replaced: its set reads 0
+        "healthy": [('pd_router_weight_set_endpoints{pool="decode"}', "2x40", {"revision": REV}),
+                    ('pd_router_weight_set_endpoints{pool="decode"}', "1x2 0x38", {"revision": REV, "weights": "1"})],
     },
     "PDInferenceNoHealthyDecoder": {
         "firing": [('pd_router_healthy_endpoints{pool="decode"}', "0x40")],
@@ -142,8 +154,8 @@ def test_each_alert_fires_in_its_scenario_and_not_when_healthy(live: LiveStack, 
         for scenario, inputs in SCENARIOS[rule["alert"]].items():
             series = []
             first: dict[str, str] = {}
-            for selector, values in inputs:
-                labels = _live_labels(live, selector)
+            for selector, values, *changed in inputs:
+                labels = _live_labels(live, selector) | (changed[0] if changed else {})
                 first = first or dict(labels)
                 series.append({"series": _series(labels), "values": values})
             expected = []

@@ -267,13 +267,15 @@ def cpu_command(
     weights: int = 0,
     events: tuple[int, int] = (0, 0),
     otlp: str = "",
+    model_path: Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The chart's command line and env for ``e``, changed only as the module docstring lists;
-    ``events``: the KV-event publisher and replay ports; ``otlp``: the collector's endpoint."""
+    ``events``: the KV-event publisher and replay ports; ``otlp``: the collector's endpoint;
+    ``model_path``: the ``--model`` to give instead of ``kind``'s folder (a link to it)."""
     version, build = cpu_build()
     args = list(e.args)
     assert not args[0].startswith("-"), args
-    out: list[str] = [f"--model={model(kind, weights)}"]
+    out: list[str] = [f"--model={model_path or model(kind, weights)}"]
     it = iter(args[1:])
     for a in it:
         if a.startswith("--revision="):
@@ -350,12 +352,16 @@ def engine(
     weights: int = 0,
     port: int | None = None,
     otlp: str = "",
+    model_path: Path | None = None,
 ) -> Engine:
     """An engine as ``render`` renders ``role``; ``port``: its HTTP port (a pod replaced in place
-    keeps its name: the router's static pool keeps the address); ``otlp``: the collector."""
+    keeps its name: the router's static pool keeps the address); ``otlp``: the collector;
+    ``model_path``: its ``--model`` (cpu_command)."""
     port, side = port or free_port(), free_port()
     events = (free_port(), free_port())
-    argv, env = cpu_command(chart_engine(role, render), kind, port, side, core, extra, weights, events, otlp)
+    argv, env = cpu_command(
+        chart_engine(role, render), kind, port, side, core, extra, weights, events, otlp, model_path
+    )
     log = workdir / f"{role}-{kind}-w{weights}-{port}-{time.monotonic_ns()}.log"
     publishes = "--kv-events-config" in argv
     ev = events if publishes else (0, 0)

@@ -55,35 +55,37 @@ def pair(
     affinity_key: str | None = None,
     prefill_hint: Endpoint | None = None,
 ) -> tuple[Endpoint, Endpoint] | None:
-    """A decoder and a prefiller of one KV revision (pd_router.revision.pairs), never one
-    engine for both (a flexible pool's engines are in both lists): ``hint`` (the decision's
-    decoder) when a prefiller of its revision is healthy, else the balancer's choice among the
-    decoders that have one; ``prefill_hint`` (the decision's prefiller) when it is healthy and
-    of the decoder's revision, else the balancer's. None when no decoder has one (both roles
-    mid-rollout)."""
-    revs = {p.revision for p in prefillers if p.revision is not None}
+    """A decoder and a prefiller of one KV revision and weight set (``Endpoint.pairing``:
+    pd_router.revision, pd_router.weights), never one engine for both (a flexible pool's
+    engines are in both lists): ``hint`` (the decision's decoder) when a prefiller it pairs
+    with is healthy, else the balancer's choice among the decoders that have one;
+    ``prefill_hint`` (the decision's prefiller) when it is healthy and pairs with the decoder,
+    else the balancer's. None when no decoder has one (both roles mid-rollout)."""
+    keys = {p.pairing for p in prefillers if p.pairing is not None}
 
     def paired(d: Endpoint) -> bool:
-        return any(p.revision == d.revision and p is not d for p in prefillers)
+        key = d.pairing
+        return any(p.pairing == key and p is not d for p in prefillers)
 
     # a flexible pool passes its one list as both (every engine in both roles)
     split = decoders is not prefillers
-    if hint is not None and hint.revision in revs and paired(hint):
+    if hint is not None and hint.pairing in keys and paired(hint):
         dec: Endpoint | None = hint
-    elif split and len(revs) == 1 and all(d.revision in revs for d in decoders):
+    elif split and len(keys) == 1 and all(d.pairing in keys for d in decoders):
         dec = pick(decoders, decode_load, affinity_key)  # one revision live: the common case
     else:
-        eps = [d for d in decoders if d.revision in revs and paired(d)]
+        eps = [d for d in decoders if d.pairing in keys and paired(d)]
         dec = pick(eps, decode_load, affinity_key)
     if dec is None:
         return None
+    key = dec.pairing
     if (
         prefill_hint is not None
         and prefill_hint is not dec
-        and prefill_hint.revision == dec.revision
+        and prefill_hint.pairing == key
         and prefill_hint in prefillers
     ):
         return dec, prefill_hint
-    pre = pick([p for p in prefillers if p.revision == dec.revision and p is not dec], prefill_load)
+    pre = pick([p for p in prefillers if p.pairing == key and p is not dec], prefill_load)
     assert pre is not None  # paired(dec)
     return dec, pre

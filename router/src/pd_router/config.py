@@ -255,6 +255,9 @@ class Health:
     # An engine with calls waiting on it that sends nothing for this long and fails its health
     # check is stalled: ejected, and what waits on it fails now (pd_router.stall). 0 = off.
     stall_seconds: float = 5.0
+    # Engines of one KV revision are paired only where they answer a fixed probe alike
+    # (pd_router.weights): one 1-token completion per admission.
+    weights_check: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Endpoint pools: static or DNS discovery (headless Service of a StatefulSet, re-resolved
 periodically), active health checks with thresholds and passive ejection, and what each engine
 says of itself, read each time it comes up healthy, before it takes requests: its KV cache
-(pd_router.cache_info) and its KV-compatibility revision (pd_router.revision)."""
+(pd_router.cache_info), its KV-compatibility revision (pd_router.revision) and which weights it
+holds (pd_router.weights)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from pd_router import cache_info, kv_events, revision
+from pd_router import cache_info, kv_events, revision, weights
 from pd_router.cache_info import CacheInfo
 from pd_router.config import Health, KvEvents, Pool
 
@@ -43,6 +44,7 @@ class Endpoint:
         "removed",
         "revision",
         "tls",
+        "weights",
     )
 
     def __init__(self, base: str) -> None:
@@ -66,6 +68,8 @@ class Endpoint:
         self.cache: CacheInfo | None = None  # what it said of its KV cache (vllm:cache_config_info)
         # its KV-compatibility revision (pd_router.revision): None = not known, pairs with none
         self.revision: str | None = None
+        # its revision's weight set (pd_router.weights): None = not known, pairs with none
+        self.weights: int | None = 0
         # where it publishes its KV events (pd_router.kv_events), when it does and may be heard
         self.events: kv_events.Source | None = None
         # whether cache and revision were read since it last went down (or was refused)
@@ -73,6 +77,14 @@ class Endpoint:
 
     def __repr__(self) -> str:
         return f"Endpoint({self.base}, healthy={self.healthy}, active={self.active})"
+
+    @property
+    def pairing(self) -> str | None:
+        """What a prefiller and a decoder must share to be paired: one KV revision and one
+        weight set of it (None: either not known, pairs with nothing)."""
+        if self.revision is None or self.weights is None:
+            return None
+        return self.revision if not self.weights else f"{self.revision}~{self.weights}"
 
 
 class EndpointPool:
@@ -84,8 +96,11 @@ class EndpointPool:
         on_change: Callable[[EndpointPool], None] | None = None,
         served: str = "",
         kv: KvEvents | None = None,
+        weight_sets: weights.WeightSets | None = None,
     ) -> None:
         self.name = name
+        # the router's weight sets (pd_router.weights), None when health.weightsCheck is off
+        self.weight_sets = weight_sets
         self.kv = kv if kv is not None and kv.enabled else None  # routing.kvEvents
         self.served = served  # model.servedName: the name its revision's name starts with
         self.cfg = cfg
@@ -209,8 +224,11 @@ class EndpointPool:
         """Read what the engine says of itself: ``vllm:cache_config_info`` (None: it does not
         say, and the router claims none of its cache) and its revision (None: its
         ``/v1/models`` did not answer, and it pairs with nothing; asked again next check)."""
-        cache, rev, events = await asyncio.gather(
-            self._ask_cache(ep), self._ask_revision(ep), self._ask_kv_events(ep)
+        cache, rev, events, fp = await asyncio.gather(
+            self._ask_cache(ep),
+            self._ask_revision(ep),
+            self._ask_kv_events(ep),
+            self._ask_weights(ep),
         )
         if ep.removed:
             return
@@ -218,13 +236,72 @@ class EndpointPool:
         ep.events = events
         if cache is None:
             log.info("pool %s: %s tells nothing of its KV cache", self.name, ep.base)
+        was = ep.pairing
         changed = rev != ep.revision
         ep.revision = rev
-        ep.learnt = rev is not None
+        ep.weights = self._place(ep, rev, fp)
+        ep.learnt = rev is not None and ep.weights is not None
         if changed:
             log.info("pool %s: %s serves KV revision %r", self.name, ep.base, rev)
-            if ep.healthy:
-                self._refresh_healthy()
+        if (changed or ep.pairing != was) and ep.healthy:
+            self._refresh_healthy()
+
+    def _place(self, ep: Endpoint, rev: str | None, fp: weights.Fingerprint | None) -> int | None:
+        """``ep``'s weight set in its revision (0 with the check off)."""
+        sets = self.weight_sets
+        if sets is None:
+            return 0
+        if rev is None or fp is None:
+            return None
+        index, first = sets.place(rev, ep.base, fp)
+        if index:  # not set 0: name both engines, with what each answered
+            log.warning(
+                "pool %s: %s holds other weights than %s under KV revision %r (probe answered "
+                "%s against %s): paired only with engines of its own weights",
+                self.name,
+                ep.base,
+                first,
+                rev,
+                fp,
+                sets.first(rev, 0),
+            )
+        elif index is None:
+            log.warning(
+                "pool %s: %s holds yet other weights under KV revision %r (more than %d sets): "
+                "paired with nothing",
+                self.name,
+                ep.base,
+                rev,
+                weights.MAX_SETS,
+            )
+        return index
+
+    async def _ask_weights(self, ep: Endpoint) -> weights.Fingerprint | None:
+        """Its answer to the weights probe (pd_router.weights); None when the check is off or
+        it did not answer one (asked again next check)."""
+        if self.weight_sets is None:
+            return None
+        assert self._session is not None
+        body = orjson.dumps(weights.probe_body(self.served))
+        try:
+            async with asyncio.timeout(self.health.timeout_seconds):
+                async with self._session.post(
+                    ep.base + "/v1/completions",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                ) as resp:
+                    text = await resp.read()
+                    if resp.status != 200:
+                        log.warning(
+                            "pool %s: %s weights probe answered %d", self.name, ep.base, resp.status
+                        )
+                        return None
+                    return weights.from_answer(orjson.loads(text))
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("pool %s: %s weights probe failed: %r", self.name, ep.base, exc)
+        except ValueError as exc:  # orjson's error is one too
+            log.warning("pool %s: %s weights probe: %s", self.name, ep.base, exc)
+        return None
 
     async def _ask_cache(self, ep: Endpoint) -> CacheInfo | None:
         assert self._session is not None

@@ -260,10 +260,11 @@ class Legs:
 
     # ------------------------------------------------------------------ the pair
     def pair(self, ctx: Ctx, preferred: Endpoint | None = None) -> tuple[Endpoint, Endpoint]:
-        """The decoder and the prefiller of a hand-off (balancing.pair: one KV revision, the
-        decision's decoder first, then ``preferred`` as prefiller); sets ``ctx.decoder``.
-        Raises :class:`Fallback` (``no_prefiller``, ``no_revision_pair``) while the request
-        can still be served whole, :class:`LegError` when no decoder is healthy."""
+        """The decoder and the prefiller of a hand-off (balancing.pair: one KV revision and
+        weight set, the decision's decoder first, then ``preferred`` as prefiller); sets
+        ``ctx.decoder``. Raises :class:`Fallback` (``no_prefiller``, ``no_revision_pair``,
+        ``weights_differ``) while the request can still be served whole, :class:`LegError` when
+        no decoder is healthy."""
         prefillers = self.prefill_pool.healthy
         if not prefillers or (self.flexible and len(prefillers) < 2):
             raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
@@ -272,7 +273,11 @@ class Legs:
         if chosen is None:
             if not decoders:
                 raise LegError.no_decoder()
-            raise Fallback("no_revision_pair")  # no decoder of a live prefiller's revision
+            # no decoder of a live prefiller's revision, or only of other weights under it
+            revs = {p.revision for p in prefillers if p.revision is not None}
+            if any(d.revision in revs for d in decoders if d.weights is not None):
+                raise Fallback("weights_differ")
+            raise Fallback("no_revision_pair")
         ctx.decoder = chosen[0]
         return chosen
 

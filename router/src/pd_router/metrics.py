@@ -16,7 +16,7 @@ from typing import Literal, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from pd_router import revision
+from pd_router import revision, weights
 from pd_router.discovery import Endpoint
 from pd_router.openai_wire import PASSTHROUGH_PATHS
 
@@ -44,7 +44,7 @@ ROUTES_OUTCOMES = (
 FallbackReason = Literal[
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
-    "reasoning_parser", "prefill_refused", "no_revision_pair",
+    "reasoning_parser", "prefill_refused", "no_revision_pair", "weights_differ",
 ]  # fmt: skip
 FALLBACK_REASONS: tuple[FallbackReason, ...] = get_args(FallbackReason)
 # ... of which the request is the cause, not a broken hand-off (the chart's
@@ -84,6 +84,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
         self._revisions: dict[str, set[str]] = {}  # pool -> every KV revision it has had
+        self._weight_sets: dict[str, set[tuple[str, str]]] = {}  # ... and (revision, set)
         self._declare_requests(r)
         self._declare_decision(r)
         self._declare_engines(r)
@@ -238,6 +239,15 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.weight_sets = Gauge(
+            "pd_router_weight_set_endpoints",
+            "Healthy endpoints by pool, KV revision and the weight set of it their answer to the "
+            'weights probe placed them in (pd_router.weights; "unknown" not read yet); engines '
+            "of one revision in two sets hold different weights; a set gone reads 0",
+            ["pool", "revision", "weights"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
 
     def _declare_admission(self, r: CollectorRegistry) -> None:
         """Admission and the client side: in flight, queued, refused, gone."""
@@ -334,6 +344,13 @@ class Metrics:
         for rev, n in live.items():
             self.kv_revisions.labels(pool, rev).set(n)
         seen |= live.keys()
+        sets = weights.census(engines)
+        seen_sets = self._weight_sets.setdefault(pool, set())
+        for key in seen_sets - sets.keys():
+            self.weight_sets.labels(pool, *key).set(0)
+        for key, n in sets.items():
+            self.weight_sets.labels(pool, *key).set(n)
+        seen_sets |= sets.keys()
 
     def _preset(self) -> None:
         """Every known label set at 0, so a series exists before its first event."""

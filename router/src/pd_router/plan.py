@@ -56,7 +56,8 @@ TTFT misses). The predicted figures go back in ``x-pd-predicted`` and in the tra
 router exports observed / predicted TTFT (``pd_router_ttft_prediction_ratio``) so that a user
 sees the model's error.
 
-Pairs keep the revision rule (pd_router.revision): both engines serve the same KV revision.
+Pairs keep the revision rule (pd_router.revision): both engines serve the same KV revision, and
+the same weights of it (pd_router.weights: ``Endpoint.pairing``).
 An engine is never sent its own prefill's ``kv_transfer_params`` (vLLM 0.31/0.33 do not guard a
 handshake with themselves).
 """
@@ -333,7 +334,7 @@ class Planner:
         # decoder by (its ITL miss, the wait behind its queue); the best few of each paired
         pre = []
         for x in prefillers:
-            if x.revision is None:
+            if x.pairing is None:
                 continue
             c = self._costs(x, now)
             tokens = max(1, prompt - held(x))
@@ -343,7 +344,7 @@ class Planner:
         pre.sort(key=lambda t: (t[0], t[1]))
         dec = []
         for y in decoders:
-            if y.revision is None:
+            if y.pairing is None:
                 continue
             c = self._costs(y, now)
             pull = max(1, prompt - held(y))
@@ -355,7 +356,7 @@ class Planner:
         best: Option | None = None
         for harm, pf, x, slow in pre[:PAIR_CANDIDATES]:
             for itl_miss, wait, step, y, streams in dec[:PAIR_CANDIDATES]:
-                if y is x or y.revision != x.revision:
+                if y is x or y.pairing != x.pairing:
                     continue
                 ttft = pf + wait
                 itl_misses = harm + itl_miss

@@ -16,6 +16,7 @@ from pd_router.kv_events import KvEventIndex
 from pd_router.metrics import Metrics
 from pd_router.stall import StallWatch
 from pd_router.upstream import UpstreamClient
+from pd_router.weights import WeightSets
 
 log = logging.getLogger("pd_router")
 
@@ -35,9 +36,10 @@ def pools(
     (the legs, the hand-off and the decision see the same endpoints as prefillers and
     decoders): the same pool twice. ``changed``: told whenever a pool's healthy set changes."""
     kv = events.cfg if events is not None else None
+    sets = WeightSets() if cfg.health.weights_check else None  # both pools' (pd_router.weights)
 
     def pool(name: str, spec: Pool) -> EndpointPool:
-        return EndpointPool(name, spec, cfg.health, changed, cfg.model.served_name, kv)
+        return EndpointPool(name, spec, cfg.health, changed, cfg.model.served_name, kv, sets)
 
     decode = pool("decode", cfg.pools.decode)
     if cfg.pools.layout == "flexible":

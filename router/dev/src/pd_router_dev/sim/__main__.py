@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--engine-id", default="")
     p.add_argument(
+        "--weights-seed",
+        type=int,
+        default=0,
+        help="other weights under the same name (0 = the model's own): other greedy answers",
+    )
+    p.add_argument(
         "--vllm-version",
         choices=VERSIONS,
         default=SimConfig.vllm_version,
@@ -125,6 +131,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         slow_factor=a.slow_factor,
         fault=a.fault,
         engine_id=a.engine_id,
+        weights_seed=a.weights_seed,
         vllm_version=a.vllm_version,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,

@@ -293,11 +293,12 @@ class Seq:
         stop_token_ids: list[int] | None = None,
         include_stop_str_in_output: bool = False,
         choice: int = 0,
+        weights: int = 0,
     ) -> None:
         self.run = run
         self.index = index
         self.prompt_index = prompt_index
-        self.gen = M.Generator(prompt, ignore_eos, choice)
+        self.gen = M.Generator(prompt, ignore_eos, choice, weights)
         self.text = M.TextState(stop or [], include_stop_str_in_output, min_tokens)
         self.prompt_len = len(prompt)
         self.max_tokens = max_tokens

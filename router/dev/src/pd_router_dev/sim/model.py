@@ -213,8 +213,12 @@ class Generator:
 
     __slots__ = ("h", "ignore_eos")
 
-    def __init__(self, prompt: list[int], ignore_eos: bool, index: int = 0) -> None:
+    def __init__(
+        self, prompt: list[int], ignore_eos: bool, index: int = 0, weights: int = 0
+    ) -> None:
         h = seq_hash(prompt)
+        if weights:  # other weights (--weights-seed): other answers to every prompt
+            h = _mix(h ^ ((weights * 0xC2B2AE3D27D4EB4F) & _MASK))
         self.h = _mix(h ^ ((index * 0x9E3779B97F4A7C15) & _MASK)) if index else h
         self.ignore_eos = ignore_eos
 

@@ -123,6 +123,9 @@ class SimConfig:
     slow_factor: float = 20.0
     fault: str = "none"
     engine_id: str = ""
+    # other weights under the same name (0: the model's own): every greedy answer differs, as a
+    # pod that loaded another upstream commit under one revision (pd_router.weights)
+    weights_seed: int = 0
     vllm_version: str = "0.31"  # 0.31 | 0.33
     # engine/arg_utils.py (0.31) get_batch_defaults: an OpenAI API server on a >= 70 GiB GPU
     # that is not an A100 (H100/H200) defaults to 8192 batched tokens and 1024 sequences
@@ -570,6 +573,7 @@ class SimEngine:
                     stop_token_ids=req.stop_token_ids,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     choice=j,
+                    weights=c.weights_seed,
                 )
         return run
 
