@@ -284,7 +284,7 @@ class EndpointPool:
         assert self._session is not None
         body = orjson.dumps(weights.probe_body(self.served))
         try:
-            async with asyncio.timeout(self.health.timeout_seconds):
+            async with asyncio.timeout(max(self.health.timeout_seconds, weights.PROBE_SECONDS)):
                 async with self._session.post(
                     ep.base + "/v1/completions",
                     data=body,

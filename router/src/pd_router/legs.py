@@ -274,10 +274,10 @@ class Legs:
             if not decoders:
                 raise LegError.no_decoder()
             # no decoder of a live prefiller's revision, or only of other weights under it
-            revs = {p.revision for p in prefillers if p.revision is not None}
-            if any(d.revision in revs for d in decoders if d.weights is not None):
+            revs = {p.revision for p in prefillers if p.pairing is not None}
+            if any(d.revision in revs for d in decoders if d.pairing is not None):
                 raise Fallback("weights_differ")
-            raise Fallback("no_revision_pair")
+            raise Fallback("no_revision_pair")  # (or the weights of one side not read yet)
         ctx.decoder = chosen[0]
         return chosen
 
