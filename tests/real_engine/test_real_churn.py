@@ -5,24 +5,123 @@ prompt whose prefiller stopped is served whole with the right answer, a stream w
 stopped ends with an OpenAI error event. Resumed, the engine is re-admitted and the next long
 prompt is disaggregated again, equal to colocated. The router's own deadlines (prefillSeconds
 300, streamIdleSeconds 120) and the client's (60 s) are far longer than the watch: without it
-each test here fails on the client's timeout. Seconds from the fault to the answer or error
-are printed (``-s``) for docs/testing.md, never asserted."""
+each test here fails on the client's timeout.
+
+Every fault comes under running load (:class:`Load`): two clients asking all the while, long
+and short prompts, streamed and not, each prompt new (so long ones are disaggregated, not
+served from the decoder's prefix cache). Each of those requests must end with the answer the
+decoder gives for it alone (asked once the pair is back) or with an OpenAI-shaped error (a
+status the client parses, or the router's error event mid-stream): never a wrong answer, a
+dropped connection or the client's timeout. Seconds from the fault to the answer or error, and
+the longest a loaded request took to end after it, are printed (``-s``) for docs/testing.md,
+never asserted."""
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import openai
 import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
-from tests.real_engine.prompts import LONG_WORDS, ask, colocated, text
+from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, ask, colocated, text
 from tests.real_engine.routers import Routers
 
 CLIENT_SECONDS = 60
+LOAD_CLIENTS = 2
+
+
+@dataclass
+class Asked:
+    prompt: str
+    stream: bool
+    start: float
+    end: float = 0.0
+    text: str | None = None
+    route: str = ""
+    error: BaseException | None = None
+
+
+class Load:
+    """``LOAD_CLIENTS`` clients asking through the router in turn until stopped: every third
+    prompt long, every other one streamed, each prompt new (see the module docstring)."""
+
+    def __init__(self, router_url: str, model: str, tag: str) -> None:
+        self.url, self.model, self.tag = router_url, model, tag
+        self.asked: list[Asked] = []
+        self.at = 0.0  # when the fault came
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(LOAD_CLIENTS)]
+        for t in self._threads:
+            t.start()
+
+    def fault(self) -> None:
+        """The fault comes now."""
+        self.at = time.monotonic()
+
+    def _run(self, client: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            prompt = text(f"{self.tag}-load-{client}-{i}", LONG_WORDS if i % 3 == 0 else SHORT_WORDS)
+            a = Asked(prompt, i % 2 == 1, time.monotonic())
+            try:
+                got = ask(self.url, self.model, True, prompt, a.stream)
+                a.text, a.route = got.text, got.route
+            except Exception as exc:  # recorded: checked by check()
+                a.error = exc
+            a.end = time.monotonic()
+            self.asked.append(a)
+            i += 1
+            if a.error is not None:
+                self._stop.wait(0.2)  # a client backs off after an error (pacing, not a sync)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2 * CLIENT_SECONDS)  # a request in flight ends by the client's timeout
+
+    def check(self, decoder_url: str) -> str:
+        """Stop; every answer must be the decoder's own, every error OpenAI-shaped. Returns what
+        to print."""
+        self.stop()
+        assert not any(t.is_alive() for t in self._threads), "a loaded request never ended"
+        assert self.at, "the test never marked its fault"
+        wrong = [
+            a
+            for a in self.asked
+            if a.text is not None and a.text != colocated(decoder_url, self.model, True, a.prompt).text
+        ]
+        unclean = [
+            a for a in self.asked
+            if a.error is not None and (not isinstance(a.error, openai.APIError) or isinstance(a.error, openai.APIConnectionError))
+        ]  # fmt: skip
+        assert not wrong, [(a.route, a.stream, a.text) for a in wrong]
+        assert not unclean, [repr(a.error) for a in unclean]
+        during = [a for a in self.asked if a.start <= self.at <= a.end]
+        longest = max((a.end - self.at for a in during), default=0.0)
+        answered = sum(a.text is not None for a in self.asked)
+        split = sum(a.route == "disaggregated" for a in self.asked)
+        return (
+            f"under load: {len(self.asked)} requests, {answered} right ({split} disaggregated), "
+            f"{len(self.asked) - answered} OpenAI errors, 0 wrong; the {len(during)} in flight at the fault "
+            f"ended within {longest:.1f} s of it"
+        )
+
+
+@pytest.fixture
+def load(router: Proc, model_name: str, request: pytest.FixtureRequest) -> Iterator[Load]:
+    """A :class:`Load` through the router while the test runs (stopped after it, whatever)."""
+    ld = Load(router.url(), model_name, request.node.name)
+    try:
+        yield ld
+    finally:
+        ld.stop()
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +152,13 @@ def resumed(pd: dict[str, engines.Engine]) -> Iterator[None]:
 
 
 def test_churn_a_prefiller_stopped_then_resumed(
-    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None, load: Load
 ) -> None:
     prompt = text("churn-prefiller-stopped", LONG_WORDS)
     base = colocated(pd["decode"].url, model_name, True, prompt)
     stalls = metric(router, "pd_router_engine_stalls_total", pool="prefill")
     pd["prefill"].signal(signal.SIGSTOP)
+    load.fault()
     t0 = time.monotonic()
     try:
         got = ask(router.url(), model_name, True, prompt, False)
@@ -74,6 +174,7 @@ def test_churn_a_prefiller_stopped_then_resumed(
     print(f"churn: prefiller resumed: disaggregated again {time.monotonic() - t1:.1f} s after the resume")
     assert again.route == "disaggregated"
     assert again.text == colocated(pd["decode"].url, model_name, True, text("churn-prefiller-back", LONG_WORDS)).text
+    print(f"churn: prefiller stopped, {load.check(pd['decode'].url)}")
 
 
 STREAM_TOKENS = 1500  # about 15 s of decoding: the fault always comes mid-stream
@@ -107,13 +208,16 @@ def stream_with_a_fault(router: Proc, model_name: str, tag: str, fault: Callable
 
 
 def test_churn_a_decoder_stopped_mid_stream_then_resumed(
-    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None, load: Load
 ) -> None:
     stalls = metric(router, "pd_router_engine_stalls_total", pool="decode")
+
+    def stop() -> None:
+        pd["decode"].signal(signal.SIGSTOP)
+        load.fault()
+
     try:
-        took, _ = stream_with_a_fault(
-            router, model_name, "churn-decoder-stopped", lambda: pd["decode"].signal(signal.SIGSTOP)
-        )
+        took, _ = stream_with_a_fault(router, model_name, "churn-decoder-stopped", stop)
     finally:
         pd["decode"].signal(signal.SIGCONT)
     print(f"churn: decoder stopped mid-stream: an error event {took:.1f} s after the stop")
@@ -125,6 +229,7 @@ def test_churn_a_decoder_stopped_mid_stream_then_resumed(
     print(f"churn: decoder resumed: disaggregated again {time.monotonic() - t1:.1f} s after the resume")
     assert again.route == "disaggregated"
     assert again.text == colocated(pd["decode"].url, model_name, True, prompt).text
+    print(f"churn: decoder stopped, {load.check(pd['decode'].url)}")
 
 
 def disaggregated_again(router: Proc, pd: dict[str, engines.Engine], model_name: str, tag: str) -> float:
@@ -144,7 +249,7 @@ def disaggregated_again(router: Proc, pd: dict[str, engines.Engine], model_name:
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_churn_an_engine_restarted_on_its_address(
-    router: Proc, pd: dict[str, engines.Engine], model_name: str, role: str
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, role: str, load: Load
 ) -> None:
     """The engine is replaced by a new one (a new NIXL engine id) on the same address while the
     other still holds the old one's handshake (vLLM issue 49238: a prefiller restart segfaulted
@@ -153,23 +258,72 @@ def test_churn_an_engine_restarted_on_its_address(
     warm = text(f"churn-{role}-restart-warm", LONG_WORDS)
     assert ask(router.url(), model_name, True, warm, False).route == "disaggregated"  # a handshake held
     other = pd["decode" if role == "prefill" else "prefill"]
+    load.fault()
     pd[role].restart()
     engines.wait_ready([pd[role]])
     took = disaggregated_again(router, pd, model_name, f"churn-{role}-restarted")
     print(f"churn: {role} restarted on its address: disaggregated again {took:.1f} s after it was ready")
     assert other.popen is not None and other.popen.poll() is None, other.log_tail()
+    print(f"churn: {role} restarted, {load.check(pd['decode'].url)}")
 
 
-def test_churn_a_decoder_killed_mid_stream(router: Proc, pd: dict[str, engines.Engine], model_name: str) -> None:
+def test_churn_a_decoder_killed_mid_stream(
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, load: Load
+) -> None:
     """SIGKILL mid-stream: the stream ends with the router's error event (the decoder is the only
     one), the prefiller lives on; a new decoder on the same address serves again."""
-    took, _ = stream_with_a_fault(
-        router, model_name, "churn-decoder-killed", lambda: pd["decode"].signal(signal.SIGKILL)
-    )
+
+    def kill() -> None:
+        pd["decode"].signal(signal.SIGKILL)
+        load.fault()
+
+    took, _ = stream_with_a_fault(router, model_name, "churn-decoder-killed", kill)
     print(f"churn: decoder killed mid-stream: an error event {took:.1f} s after the kill")
+    replace_the_killed_decoder(router, pd, model_name, load, "churn-decoder-killed")
+
+
+def replace_the_killed_decoder(
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, load: Load, tag: str
+) -> None:
+    """The prefiller lived on; a new decoder on the address is paired again; the load's checks."""
     pre = pd["prefill"]
     assert pre.popen is not None and pre.popen.poll() is None, pre.log_tail()
     pd["decode"].restart()
     engines.wait_ready([pd["decode"]])
-    took = disaggregated_again(router, pd, model_name, "churn-decoder-killed-back")
+    took = disaggregated_again(router, pd, model_name, f"{tag}-back")
     print(f"churn: decoder replaced: disaggregated again {took:.1f} s after it was ready")
+    print(f"churn: {tag}, {load.check(pd['decode'].url)}")
+
+
+def prefills(e: engines.Engine) -> float:
+    """Requests the engine has finished (a prefill leg finishes at its one token)."""
+    return engines.value(e.metrics(), "vllm:request_success_total")
+
+
+def test_churn_a_decoder_killed_with_a_hand_off_pending(
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None, load: Load
+) -> None:
+    """The decoder is stopped as a long prompt is sent and killed (SIGKILL) once the prefiller has
+    answered a prefill leg: the decode leg went to a decoder that never pulled the KV the
+    prefiller holds for it (vLLM 0.31.0 frees those blocks when their lease expires:
+    ``kv_lease_duration`` in the connector's extra config, 30 s by default,
+    ``nixl/base_worker.py``). The client gets an OpenAI error (no other decoder), the prefiller
+    lives on, and a new decoder on the address is paired again."""
+    prompt = text("churn-handoff-pending", LONG_WORDS)
+    before = prefills(pd["prefill"])
+    pd["decode"].signal(signal.SIGSTOP)
+    load.fault()
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(ask, router.url(), model_name, True, prompt, False)
+        deadline = time.monotonic() + CLIENT_SECONDS
+        while prefills(pd["prefill"]) <= before:  # polling the engine's counter, with a deadline
+            assert time.monotonic() < deadline, "the prefiller never answered a prefill leg"
+            time.sleep(0.05)
+        pd["decode"].signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as caught:
+            asked.result(timeout=2 * CLIENT_SECONDS)
+    took = time.monotonic() - t0
+    assert not isinstance(caught.value, openai.APIConnectionError), caught.value
+    print(f"churn: decoder killed with a hand-off pending: an OpenAI error {took:.1f} s after the kill")
+    replace_the_killed_decoder(router, pd, model_name, load, "churn-handoff-pending")
