@@ -36,7 +36,9 @@ def engines(stack: Stack) -> tuple[Proc, Proc]:
 def router(stack: Stack, engines: tuple[Proc, Proc]) -> Proc:
     urls = [e.url() for e in engines]
     cfg: dict[str, Any] = {
-        "routing": {"threshold": 100000},  # every request whole on a decoder
+        # every request whole on a decoder; NIXL's route, so the demo config's LMCache
+        # notification port (7500, fixed) is not bound: another test may hold it
+        "routing": {"threshold": 100000, "connector": "nixl"},
         "pools": {
             "prefill": {"discovery": "static", "static": urls[:1]},
             "decode": {"discovery": "static", "static": urls},
