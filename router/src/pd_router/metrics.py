@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -83,8 +83,9 @@ TRACE_SPAN_OUTCOMES = ("exported", "failed", "dropped")  # pd_router.tracing.Exp
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
-        self._revisions: dict[str, set[str]] = {}  # pool -> every KV revision it has had
-        self._weight_sets: dict[str, set[tuple[str, str]]] = {}  # ... and (revision, set)
+        # pool -> every KV revision it has had, and every (revision, weight set)
+        self._revisions: dict[str, set[tuple[str, ...]]] = {}
+        self._weight_sets: dict[str, set[tuple[str, ...]]] = {}
         self._declare_requests(r)
         self._declare_decision(r)
         self._declare_engines(r)
@@ -337,20 +338,15 @@ class Metrics:
         KV revision (a revision gone is set to 0, not removed: worker files keep it)."""
         self.healthy.labels(pool).set(healthy)
         self.endpoints.labels(pool).set(endpoints)
-        live = revision.census(engines)
-        seen = self._revisions.setdefault(pool, set())
-        for rev in seen - live.keys():
-            self.kv_revisions.labels(pool, rev).set(0)
-        for rev, n in live.items():
-            self.kv_revisions.labels(pool, rev).set(n)
-        seen |= live.keys()
-        sets = weights.census(engines)
-        seen_sets = self._weight_sets.setdefault(pool, set())
-        for key in seen_sets - sets.keys():
-            self.weight_sets.labels(pool, *key).set(0)
-        for key, n in sets.items():
-            self.weight_sets.labels(pool, *key).set(n)
-        seen_sets |= sets.keys()
+        _census(self.kv_revisions, self._revisions.setdefault(pool, set()), pool, {
+            (rev,): n for rev, n in revision.census(engines).items()
+        })  # fmt: skip
+        _census(
+            self.weight_sets,
+            self._weight_sets.setdefault(pool, set()),
+            pool,
+            weights.census(engines),
+        )
 
     def _preset(self) -> None:
         """Every known label set at 0, so a series exists before its first event."""
@@ -393,3 +389,13 @@ class Metrics:
         every_worker = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(every_worker, path)
         return generate_latest(every_worker)
+
+
+def _census(gauge: Gauge, seen: set[tuple[str, ...]], pool: str, live: dict[Any, int]) -> None:
+    """A pool's healthy engines by label values (``live``); those gone read 0, not removed:
+    worker files keep them."""
+    for key in seen - live.keys():
+        gauge.labels(pool, *key).set(0)
+    for key, n in live.items():
+        gauge.labels(pool, *key).set(n)
+    seen |= live.keys()

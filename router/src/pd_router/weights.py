@@ -9,13 +9,15 @@ name paired with a decoder: 8 of 8 answers 200, 0 of 8 right, and the decoder's 
 poisoned afterwards.
 
 So each time an engine comes up healthy (pd_router.discovery, with its revision) the router
-asks it one fixed greedy completion of one token with its top ``TOP`` logprobs (``PROBE``) and
+asks it one fixed greedy completion of one token with its top ``TOP`` logprobs
+(``PROBE_PROMPT``) and
 places the answer in the revision's **weight sets** (:class:`WeightSets`, one per router,
 across both pools): the first set seen is 0, an answer that matches none starts another. Engines
 are paired only within one revision and one weight set (``Endpoint.pairing``); a request whose
 only same-revision partners hold other weights is served whole (fallback ``weights_differ``),
-the log names both engines, and ``pd_router_weight_sets{revision}`` counts the sets among the
-healthy engines (the chart's alert ``PDInferenceWeightsDiffer`` fires above 1).
+the log names both engines, and ``pd_router_weight_set_endpoints{pool, revision, weights}``
+counts the healthy engines per set (the chart's alert ``PDInferenceWeightsDiffer`` fires where
+one revision has two sets).
 
 Two answers match when, both carrying logprobs, at least ``COMMON`` of their top tokens are
 shared with logprobs within ``TOLERANCE`` nats and their first tokens are the same or each in
