@@ -232,6 +232,34 @@ def test_a_failed_kv_load_is_served_again_without_the_handoff(
     )
 
 
+def test_a_handoff_that_keeps_failing_ejects_the_prefiller_not_the_decoder(nx: Nixl) -> None:
+    """Every hand-off fails on the decoder (a side channel nobody answers on: vLLM answers that
+    it could not read the KV), while the decoder itself serves well: the failures count against
+    the prefiller. With passiveFailureThreshold 1 the first one ejects it; the only decoder
+    stays in and serves that prompt whole, and the next long prompt goes whole as no_prefiller
+    (before, the decoder was ejected and the client got a 500)."""
+    r = nx.router(
+        "nx-router-kvfail-eject",
+        {"health": {"intervalSeconds": 60, "passiveFailureThreshold": 1}},
+        decoders=[nx.decoders[0].url()],
+    )
+    want = answer(nx.decoders[0].url(), True, long_text(300), False, ignore_eos=True, max_tokens=8)
+    set_fault(nx.decoders[0], "kv_load_fail")  # every hand-off from now on
+    got = answer(r.url(), True, long_text(300), False, ignore_eos=True, max_tokens=8)
+    assert got == (want[0], 8, "fallback")
+
+    def healthy(pool: str) -> float:
+        return metric_value(r.url(), "pd_router_healthy_endpoints", {"pool": pool})
+
+    assert (healthy("decode"), healthy("prefill")) == (1, 0)
+    before = metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "no_prefiller"})
+    again = answer(r.url(), True, long_text(301), False, ignore_eos=True, max_tokens=8)
+    assert again[2] == "fallback"
+    assert metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "no_prefiller"}) == (
+        before + 1
+    )
+
+
 def test_decoder_failure_before_first_byte_is_retried(nx: Nixl) -> None:
     r = nx.router(
         "nx-router-retry", {"health": {"intervalSeconds": 60, "passiveFailureThreshold": 100}}

@@ -177,10 +177,11 @@ class Engine:
     extra: list[str] = field(default_factory=list)
     events_port: int = 0  # its KV-event publisher (ZMQ PUB), when the chart renders one
     replay_port: int = 0  # ... and its replay ROUTER
+    host: str = "127.0.0.1"  # a loopback address of its own stands for a pod's IP
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> Engine:
         lf = open(self.log, "ab")  # noqa: SIM115 - the child owns it
@@ -268,10 +269,12 @@ def cpu_command(
     events: tuple[int, int] = (0, 0),
     otlp: str = "",
     model_path: Path | None = None,
+    host: str = "127.0.0.1",
 ) -> tuple[list[str], dict[str, str]]:
     """The chart's command line and env for ``e``, changed only as the module docstring lists;
     ``events``: the KV-event publisher and replay ports; ``otlp``: the collector's endpoint;
-    ``model_path``: the ``--model`` to give instead of ``kind``'s folder (a link to it)."""
+    ``model_path``: the ``--model`` to give instead of ``kind``'s folder (a link to it);
+    ``host``: the loopback address it listens on (HTTP and NIXL's side channel)."""
     version, build = cpu_build()
     args = list(e.args)
     assert not args[0].startswith("-"), args
@@ -281,7 +284,7 @@ def cpu_command(
         if a.startswith("--revision="):
             continue  # a local folder: its weights are the revision
         if a.startswith("--host="):
-            a = "--host=127.0.0.1"
+            a = f"--host={host}"
         elif a.startswith("--port="):
             a = f"--port={port}"
         elif a.startswith("--otlp-traces-endpoint="):
@@ -318,7 +321,7 @@ def cpu_command(
         HF_HUB_OFFLINE="1",  # a local folder: nothing to look up
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST=host,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
         VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB,
         VLLM_CPU_OMP_THREADS_BIND=str(core),
@@ -353,19 +356,23 @@ def engine(
     port: int | None = None,
     otlp: str = "",
     model_path: Path | None = None,
+    host: str = "127.0.0.1",
 ) -> Engine:
     """An engine as ``render`` renders ``role``; ``port``: its HTTP port (a pod replaced in place
     keeps its name: the router's static pool keeps the address); ``otlp``: the collector;
-    ``model_path``: its ``--model`` (cpu_command)."""
+    ``model_path``: its ``--model`` (cpu_command); ``host``: its loopback address (pods of one
+    headless Service share a port at addresses of their own)."""
     port, side = port or free_port(), free_port()
     events = (free_port(), free_port())
     argv, env = cpu_command(
-        chart_engine(role, render), kind, port, side, core, extra, weights, events, otlp, model_path
+        chart_engine(role, render), kind, port, side, core, extra, weights, events, otlp, model_path, host
     )
     log = workdir / f"{role}-{kind}-w{weights}-{port}-{time.monotonic_ns()}.log"
     publishes = "--kv-events-config" in argv
     ev = events if publishes else (0, 0)
-    return Engine(role, kind, core, port, side, argv, env, log, extra=list(extra), events_port=ev[0], replay_port=ev[1])
+    return Engine(
+        role, kind, core, port, side, argv, env, log, extra=list(extra), events_port=ev[0], replay_port=ev[1], host=host
+    )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""Churn on the real engines (issue 36): an engine stopped (SIGSTOP) for longer than the router's
-deadlines, then resumed. The router finds the stall (``health.stallSeconds``, the chart's 5 s,
+"""Churn on the real engines (issue 36): engines killed (SIGKILL) mid-stream, with a hand-off
+pending and mid-transfer, then replaced; and an engine stopped (SIGSTOP) for longer than the
+router's deadlines, then resumed. The router finds the stall (``health.stallSeconds``, the chart's 5 s,
 then a failed ``/health`` within 2 s), ejects the engine and ends what waited on it at once: a
 prompt whose prefiller stopped is served whole with the right answer, a stream whose decoder
 stopped ends with an OpenAI error event. Resumed, the engine is re-admitted and the next long
@@ -7,109 +8,35 @@ prompt is disaggregated again, equal to colocated. The router's own deadlines (p
 300, streamIdleSeconds 120) and the client's (60 s) are far longer than the watch: without it
 each test here fails on the client's timeout.
 
-Every fault comes under running load (:class:`Load`): two clients asking all the while, long
-and short prompts, streamed and not, each prompt new (so long ones are disaggregated, not
-served from the decoder's prefix cache). Each of those requests must end with the answer the
-decoder gives for it alone (asked once the pair is back) or with an OpenAI-shaped error (a
-status the client parses, or the router's error event mid-stream): never a wrong answer, a
-dropped connection or the client's timeout. Seconds from the fault to the answer or error, and
-the longest a loaded request took to end after it, are printed (``-s``) for docs/testing.md,
-never asserted."""
+Every fault comes under running load (tests/real_engine/load.py): two clients asking all the
+while, long and short prompts, streamed and not, each prompt new (so long ones are
+disaggregated, not served from the decoder's prefix cache). Each of those requests must end with
+the answer the decoder gives for it alone (asked once the pair is back) or with an OpenAI-shaped
+error (a status the client parses, or the router's error event mid-stream): never a wrong
+answer, a dropped connection or the client's timeout. Once a long prompt is disaggregated again,
+the next long prompts of the load must all be (the share back to 100 %). Seconds from the fault
+to the answer or error, and the longest a loaded request took to end after it, are printed
+(``-s``) for docs/testing.md, never asserted.
+
+An engine killed is replaced on its address, as a StatefulSet's pod is: a new NIXL engine id
+where the other engine holds the old one's handshake (a hand-off of the load came first). That
+is also what a rolling restart does, so no test restarts an engine apart from a fault."""
 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import openai
 import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
-from tests.real_engine.prompts import LONG_WORDS, SHORT_WORDS, ask, colocated, text
+from tests.real_engine.load import CLIENT_SECONDS, Load, back, disaggregated_again, metric, until
+from tests.real_engine.prompts import LONG_WORDS, ask, colocated, text
 from tests.real_engine.routers import Routers
-
-CLIENT_SECONDS = 60
-LOAD_CLIENTS = 2
-
-
-@dataclass
-class Asked:
-    prompt: str
-    stream: bool
-    start: float
-    end: float = 0.0
-    text: str | None = None
-    route: str = ""
-    error: BaseException | None = None
-
-
-class Load:
-    """``LOAD_CLIENTS`` clients asking through the router in turn until stopped: every third
-    prompt long, every other one streamed, each prompt new (see the module docstring)."""
-
-    def __init__(self, router_url: str, model: str, tag: str) -> None:
-        self.url, self.model, self.tag = router_url, model, tag
-        self.asked: list[Asked] = []
-        self.at = 0.0  # when the fault came
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(LOAD_CLIENTS)]
-        for t in self._threads:
-            t.start()
-
-    def fault(self) -> None:
-        """The fault comes now."""
-        self.at = time.monotonic()
-
-    def _run(self, client: int) -> None:
-        i = 0
-        while not self._stop.is_set():
-            prompt = text(f"{self.tag}-load-{client}-{i}", LONG_WORDS if i % 3 == 0 else SHORT_WORDS)
-            a = Asked(prompt, i % 2 == 1, time.monotonic())
-            try:
-                got = ask(self.url, self.model, True, prompt, a.stream)
-                a.text, a.route = got.text, got.route
-            except Exception as exc:  # recorded: checked by check()
-                a.error = exc
-            a.end = time.monotonic()
-            self.asked.append(a)
-            i += 1
-            if a.error is not None:
-                self._stop.wait(0.2)  # a client backs off after an error (pacing, not a sync)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=2 * CLIENT_SECONDS)  # a request in flight ends by the client's timeout
-
-    def check(self, decoder_url: str) -> str:
-        """Stop; every answer must be the decoder's own, every error OpenAI-shaped. Returns what
-        to print."""
-        self.stop()
-        assert not any(t.is_alive() for t in self._threads), "a loaded request never ended"
-        assert self.at, "the test never marked its fault"
-        answered = [a for a in self.asked if a.text is not None]
-        with ThreadPoolExecutor(8) as pool:  # the decoder batches them: a fraction of the time
-            refs = list(pool.map(lambda a: colocated(decoder_url, self.model, True, a.prompt).text, answered))
-        wrong = [a for a, ref in zip(answered, refs, strict=True) if a.text != ref]
-        unclean = [
-            a for a in self.asked
-            if a.error is not None and (not isinstance(a.error, openai.APIError) or isinstance(a.error, openai.APIConnectionError))
-        ]  # fmt: skip
-        assert not wrong, [(a.route, a.stream, a.text) for a in wrong]
-        assert not unclean, [repr(a.error) for a in unclean]
-        during = [a for a in self.asked if a.start <= self.at <= a.end]
-        longest = max((a.end - self.at for a in during), default=0.0)
-        split = sum(a.route == "disaggregated" for a in self.asked)
-        return (
-            f"under load: {len(self.asked)} requests, {len(answered)} right ({split} disaggregated), "
-            f"{len(self.asked) - len(answered)} OpenAI errors, 0 wrong; the {len(during)} in flight at the fault "
-            f"ended within {longest:.1f} s of it"
-        )
 
 
 @pytest.fixture
@@ -127,18 +54,6 @@ def router(pd: dict[str, engines.Engine], routers: Routers) -> Proc:
     """The chart's dev router in front of the dense pair, ejecting a stalled engine for 1 s (the
     chart's 30 s would only make the tests wait for the re-admission)."""
     return routers.start([pd["prefill"].url], [pd["decode"].url], env={"PD_ROUTER__HEALTH__EJECTIONSECONDS": "1"})
-
-
-def metric(router: Proc, name: str, **labels: str) -> float:
-    return engines.value(engines.metrics_text(router.url()), name, **labels)
-
-
-def back(router: Proc, pool: str) -> None:
-    """Until the router has the pool's engine back (its checks re-admit it after the ejection)."""
-    deadline = time.monotonic() + 60
-    while metric(router, "pd_router_healthy_endpoints", pool=pool) < 1:
-        assert time.monotonic() < deadline, f"the resumed {pool} engine was never re-admitted"
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -172,6 +87,7 @@ def test_churn_a_prefiller_stopped_then_resumed(
     print(f"churn: prefiller resumed: disaggregated again {time.monotonic() - t1:.1f} s after the resume")
     assert again.route == "disaggregated"
     assert again.text == colocated(pd["decode"].url, model_name, True, text("churn-prefiller-back", LONG_WORDS)).text
+    print(f"churn: prefiller resumed: {load.settle(time.monotonic())}")
     print(f"churn: prefiller stopped, {load.check(pd['decode'].url)}")
 
 
@@ -227,42 +143,8 @@ def test_churn_a_decoder_stopped_mid_stream_then_resumed(
     print(f"churn: decoder resumed: disaggregated again {time.monotonic() - t1:.1f} s after the resume")
     assert again.route == "disaggregated"
     assert again.text == colocated(pd["decode"].url, model_name, True, prompt).text
+    print(f"churn: decoder resumed: {load.settle(time.monotonic())}")
     print(f"churn: decoder stopped, {load.check(pd['decode'].url)}")
-
-
-def disaggregated_again(router: Proc, pd: dict[str, engines.Engine], model_name: str, tag: str) -> float:
-    """Seconds until a long prompt is disaggregated again with the colocated answer; every answer
-    meanwhile (served whole as a fallback while a pair is not back) must be the right one."""
-    t0 = time.monotonic()
-    back(router, "prefill")
-    back(router, "decode")
-    for i in range(20):  # (its revision learnt at the check that admits it: a fallback or two)
-        prompt = text(f"{tag}-{i}", LONG_WORDS)
-        got = ask(router.url(), model_name, True, prompt, False)
-        assert got.text == colocated(pd["decode"].url, model_name, True, prompt).text, (got.route, got.reason)
-        if got.route == "disaggregated":
-            return time.monotonic() - t0
-    raise AssertionError(f"{tag}: never disaggregated again")
-
-
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_churn_an_engine_restarted_on_its_address(
-    router: Proc, pd: dict[str, engines.Engine], model_name: str, role: str, load: Load
-) -> None:
-    """The engine is replaced by a new one (a new NIXL engine id) on the same address while the
-    other still holds the old one's handshake (vLLM issue 49238: a prefiller restart segfaulted
-    the decoder; SGLang's gateway issue 2503 the reverse): the other engine lives on, and the
-    next long prompts are disaggregated again with the right answers."""
-    warm = text(f"churn-{role}-restart-warm", LONG_WORDS)
-    assert ask(router.url(), model_name, True, warm, False).route == "disaggregated"  # a handshake held
-    other = pd["decode" if role == "prefill" else "prefill"]
-    load.fault()
-    pd[role].restart()
-    engines.wait_ready([pd[role]])
-    took = disaggregated_again(router, pd, model_name, f"churn-{role}-restarted")
-    print(f"churn: {role} restarted on its address: disaggregated again {took:.1f} s after it was ready")
-    assert other.popen is not None and other.popen.poll() is None, other.log_tail()
-    print(f"churn: {role} restarted, {load.check(pd['decode'].url)}")
 
 
 def test_churn_a_decoder_killed_mid_stream(
@@ -275,6 +157,7 @@ def test_churn_a_decoder_killed_mid_stream(
         pd["decode"].signal(signal.SIGKILL)
         load.fault()
 
+    until("a hand-off of the load: a handshake held", lambda: load.handshakes_before_fault() > 0)
     took, _ = stream_with_a_fault(router, model_name, "churn-decoder-killed", kill)
     print(f"churn: decoder killed mid-stream: an error event {took:.1f} s after the kill")
     replace_the_killed_decoder(router, pd, model_name, load, "churn-decoder-killed")
@@ -283,13 +166,16 @@ def test_churn_a_decoder_killed_mid_stream(
 def replace_the_killed_decoder(
     router: Proc, pd: dict[str, engines.Engine], model_name: str, load: Load, tag: str
 ) -> None:
-    """The prefiller lived on; a new decoder on the address is paired again; the load's checks."""
+    """The prefiller lived on; a new decoder on the address (a new NIXL engine id where the
+    prefiller met the old one: SGLang's gateway issue 2503 saw the prefiller segfault) is paired
+    again; the load's checks."""
     pre = pd["prefill"]
     assert pre.popen is not None and pre.popen.poll() is None, pre.log_tail()
     pd["decode"].restart()
     engines.wait_ready([pd["decode"]])
-    took = disaggregated_again(router, pd, model_name, f"{tag}-back")
+    took = disaggregated_again(router, pd["decode"].url, model_name, f"{tag}-back")
     print(f"churn: decoder replaced: disaggregated again {took:.1f} s after it was ready")
+    print(f"churn: decoder replaced: {load.settle(time.monotonic())}")
     print(f"churn: {tag}, {load.check(pd['decode'].url)}")
 
 
@@ -308,6 +194,7 @@ def test_churn_a_decoder_killed_with_a_hand_off_pending(
     ``nixl/base_worker.py``). The client gets an OpenAI error (no other decoder), the prefiller
     lives on, and a new decoder on the address is paired again."""
     prompt = text("churn-handoff-pending", LONG_WORDS)
+    until("a hand-off of the load: a handshake held", lambda: load.handshakes_before_fault() > 0)
     before = prefills(pd["prefill"])
     pd["decode"].signal(signal.SIGSTOP)
     load.fault()
@@ -325,3 +212,26 @@ def test_churn_a_decoder_killed_with_a_hand_off_pending(
     assert not isinstance(caught.value, openai.APIConnectionError), caught.value
     print(f"churn: decoder killed with a hand-off pending: an OpenAI error {took:.1f} s after the kill")
     replace_the_killed_decoder(router, pd, model_name, load, "churn-handoff-pending")
+
+
+def test_churn_a_prefiller_killed_mid_transfer(
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, load: Load
+) -> None:
+    """SIGKILL to the prefiller the moment it has answered a prefill leg of the load: its KV is
+    being read, or about to be, by the decoder. That request ends right (served whole:
+    ``decode_retry``) or with an OpenAI error, the decoder lives on, and a new prefiller on the
+    address is paired again: a new NIXL engine id where the decoder holds the old one's
+    handshake (vLLM issue 49238 saw the decoder segfault when its prefiller restarted)."""
+    pre, dec = pd["prefill"], pd["decode"]
+    until("a hand-off of the load: a handshake held", lambda: load.handshakes_before_fault() > 0)
+    before = prefills(pre)
+    until("the prefiller answers a prefill leg of the load", lambda: prefills(pre) > before)
+    pre.signal(signal.SIGKILL)
+    load.fault()
+    pre.restart()
+    engines.wait_ready([pre])
+    assert dec.popen is not None and dec.popen.poll() is None, dec.log_tail()
+    took = disaggregated_again(router, dec.url, model_name, "churn-prefiller-killed-back")
+    print(f"churn: prefiller killed mid-transfer: disaggregated again {took:.1f} s after the new one was ready")
+    print(f"churn: prefiller replaced: {load.settle(time.monotonic())}")
+    print(f"churn: prefiller killed mid-transfer, {load.check(dec.url)}")

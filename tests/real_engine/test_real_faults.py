@@ -14,6 +14,7 @@ import pytest
 from pd_router_dev.devstack import Proc, Stack
 
 from tests.real_engine import engines
+from tests.real_engine.load import CLIENT_SECONDS, Load, back, disaggregated_again, until
 from tests.real_engine.prompts import LONG_WORDS, Answer, ask, colocated, text
 from tests.real_engine.routers import Routers
 
@@ -63,6 +64,49 @@ def test_a_side_channel_nobody_answers_on_falls_back_to_the_right_answer(
     assert (got.route, got.reason) == ("fallback", "decode_retry")
     assert got.text == base.text and got.finish == "length"
     assert router_metric(router, "pd_router_fallbacks_total", reason="decode_retry") == before + 1
+
+
+def test_churn_the_side_channel_blocked_under_load(
+    tampered: tuple[Proc, Proc],
+    routers: Routers,
+    pd: dict[str, engines.Engine],
+    model_name: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Every hand-off's side channel blocked mid-run, under the churn tests' load
+    (tests/real_engine/load.py), then open again: each long prompt meanwhile is served whole
+    with the right answer (``decode_retry``), the failed hand-offs count against the prefiller
+    (ejected: ``no_prefiller``), never against the decoder, which goes on serving everything,
+    and once the channel opens the prefiller is re-admitted and long prompts are disaggregated
+    again. A router of its own, ejecting for 1 s (the chart's 30 s would only make it wait)."""
+    _, proxy = tampered
+    router = routers.start([proxy.url()], [pd["decode"].url], env={"PD_ROUTER__HEALTH__EJECTIONSECONDS": "1"})
+    back(router, "prefill")
+    ejected = router_metric(router, "pd_router_fallbacks_total", reason="no_prefiller")
+    load = Load(router.url(), model_name, request.node.name)
+    try:
+        arm(proxy, "wrong_port", -1)  # every hand-off from now on
+        load.fault()
+        prompt = text("churn-side-channel", LONG_WORDS)
+        got = ask(router.url(), model_name, True, prompt, True)
+        took = time.monotonic() - load.at
+        assert got.route == "fallback" and got.reason in ("decode_retry", "no_prefiller"), got
+        assert got.text == colocated(pd["decode"].url, model_name, True, prompt).text
+        until(
+            "the prefiller nobody can pull from ejected",
+            lambda: router_metric(router, "pd_router_fallbacks_total", reason="no_prefiller") > ejected,
+            4 * CLIENT_SECONDS,
+        )
+        assert router_metric(router, "pd_router_healthy_endpoints", pool="decode") == 1
+        print(f"churn: side channel blocked: the right answer, served whole, {took:.1f} s after the block")
+        arm(proxy, "pass")
+        again = disaggregated_again(router, pd["decode"].url, model_name, "churn-side-channel-back")
+        print(f"churn: side channel open: disaggregated again {again:.1f} s after")
+        print(f"churn: side channel open: {load.settle(time.monotonic())}")
+        print(f"churn: side channel blocked, {load.check(pd['decode'].url)}")
+    finally:
+        arm(proxy, "pass")
+        load.stop()
 
 
 @pytest.fixture

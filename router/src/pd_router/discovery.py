@@ -23,6 +23,15 @@ from pd_router.config import Health, KvEvents, Pool
 
 log = logging.getLogger("pd_router.discovery")
 
+# Lookups in a row that must find no such name before a DNS pool is emptied (discover_once).
+EMPTY_AFTER_NXDOMAIN = 2
+# getaddrinfo's answers for a name without an address (NXDOMAIN; NODATA), not a failed lookup.
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def _no_such_name(exc: OSError) -> bool:
+    return isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME
+
 
 class Endpoint:
     __slots__ = (
@@ -110,6 +119,7 @@ class EndpointPool:
         self.on_change = on_change
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+        self._no_such_name = 0  # DNS lookups in a row that found no such name
 
     # ------------------------------------------------------------------ state changes
     def _refresh_healthy(self) -> None:
@@ -125,9 +135,10 @@ class EndpointPool:
             ep = Endpoint(base)
             self.endpoints[base] = ep
             added.append(ep)
-        for base in self.endpoints.keys() - wanted:
+        gone = self.endpoints.keys() - wanted
+        for base in gone:
             self.endpoints.pop(base).removed = True
-        if added or len(wanted) != len(self.endpoints):
+        if added or gone:
             log.info("pool %s endpoints: %s", self.name, sorted(self.endpoints))
         self._refresh_healthy()
         return added
@@ -385,9 +396,28 @@ class EndpointPool:
         try:
             bases = await self.resolve()
         except OSError as exc:
-            # Keep the last known set on DNS errors: a blip must not empty the pool.
-            log.warning("pool %s: DNS lookup of %s failed: %s", self.name, self.cfg.dns.name, exc)
-            return
+            if not _no_such_name(exc):
+                # Keep the last known set on other DNS errors: a blip must not empty the pool.
+                log.warning(
+                    "pool %s: DNS lookup of %s failed: %s", self.name, self.cfg.dns.name, exc
+                )
+                return
+            # A headless Service with no ready endpoint answers NXDOMAIN (the Kubernetes DNS
+            # spec since kubernetes/dns PR 245): the pool scaled to zero, or every pod not
+            # ready. Believed at the second answer in a row, so one stray NXDOMAIN (CoreDNS
+            # issue 6518) does not empty a pool; until then the set, and the checks, stay.
+            self._no_such_name += 1
+            if self._no_such_name < EMPTY_AFTER_NXDOMAIN or not self.endpoints:
+                return
+            log.warning(
+                "pool %s: %s has no address (NXDOMAIN %d times in a row): the pool is empty",
+                self.name,
+                self.cfg.dns.name,
+                self._no_such_name,
+            )
+            bases = []
+        else:
+            self._no_such_name = 0
         added = self.set_endpoints(bases)
         if added:
             await self.check_all(added)

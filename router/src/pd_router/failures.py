@@ -20,14 +20,24 @@ Kind = Literal["connect", "timeout", "5xx", "stream", "bad_response", "no_decode
 
 
 class LegError(Exception):
-    __slots__ = ("body", "ctype", "kind", "status")
+    __slots__ = ("answered", "body", "ctype", "kind", "status")
 
-    def __init__(self, kind: Kind, status: int, body: bytes | None = None, ctype: str = "") -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        status: int,
+        body: bytes | None = None,
+        ctype: str = "",
+        answered: bool = False,
+    ) -> None:
         super().__init__(kind, status)
         self.kind = kind
         self.status = status
         self.body = body  # an engine's own 5xx answer, passed on when nothing else could serve
         self.ctype = ctype
+        # the engine answered, all of it: a 5xx, or a stream that ended before its first token
+        # (how vLLM fails a decode whose KV load failed), not a connection or a clock that ran out
+        self.answered = answered or kind == "5xx"
 
     @classmethod
     def of(cls, exc: BaseException, otherwise: Kind = "connect") -> LegError:

@@ -327,7 +327,9 @@ class Legs:
                 tries.drop_handoff()
             tries.tried.append(ep)
             try:
-                resp = await self._decoder_attempt(ctx, ep, path, tries, stream, idle, named)
+                resp = await self._decoder_attempt(
+                    ctx, ep, path, tries, stream, idle, named, kv_source
+                )
             except LegError as err:
                 tries.last = err
                 continue
@@ -342,11 +344,18 @@ class Legs:
         stream: bool,
         idle: float,
         named: bool,
+        kv_source: Endpoint | None,
     ) -> Response:
         """One of ``tries``, on ``ep``: traced, its outcome reported against the decoder (a
-        revision it refused is relearnt, not counted). Raises its :class:`LegError`."""
+        revision it refused is relearnt, not counted). A try that carried ``kv_source``'s
+        hand-off reports on that too: its KV was read, or the decoder answered that it could not
+        be (vLLM fails the request: a 500, or a stream with no token), a failure of the
+        hand-off counted against the prefiller, not the decoder: a side channel that nobody
+        answers on must eject the prefiller, not every decoder it pairs with. Raises its
+        :class:`LegError`."""
         span = leg_span(ctx, "decode", ep, path)
         kv = tries.handoff
+        source = kv_source if kv else None
         if span is not None:
             span.attrs["pd.attempt"] = len(tries.tried)
             if tries.retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
@@ -356,9 +365,11 @@ class Legs:
                 ctx, ep, path, tries.data, stream, idle, named and kv, span, kv
             )
         except LegError as err:
-            self._decoder_failed(ctx, ep, span, err)
+            self._decoder_failed(ctx, ep, span, err, source)
             raise
         self.engine_ok(self.decode_pool, ep)
+        if source is not None:
+            self.engine_ok(self.prefill_pool, source)  # its KV was read: the hand-off held
         ctx.revision = ep.revision or ""
         ctx.engine = ep.base
         if span is not None:
@@ -366,12 +377,17 @@ class Legs:
             ctx.trace.answer = span  # ends with the answer; first token then (Trace.close)
         return resp
 
-    def _decoder_failed(self, ctx: Ctx, ep: Endpoint, span: Span | None, err: LegError) -> None:
-        """A failed try: its span ended, the decoder counted (or relearnt), the failure logged."""
+    def _decoder_failed(
+        self, ctx: Ctx, ep: Endpoint, span: Span | None, err: LegError, source: Endpoint | None
+    ) -> None:
+        """A failed try: its span ended, the decoder (or the hand-off's ``source``) counted, or
+        the decoder relearnt; the failure logged."""
         if span is not None:
             Trace.end(span, err.kind)
         if err.kind == "revision":
             self.decode_pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
+        elif source is not None and err.answered:
+            self.engine_failed(self.prefill_pool, source)  # the decoder is up; the KV was not
         else:
             self.engine_failed(self.decode_pool, ep)
         self.outcomes.upstream("decode", err.kind)
@@ -441,7 +457,7 @@ class Legs:
                             job.first(job.costs.clock())
                         break
                     if opening == "empty" or resp.complete:
-                        raise LegError("stream", 502)
+                        raise LegError("stream", 502, answered=True)
                     seen = len(head)
             except UPSTREAM_ERRORS as exc:
                 resp.close()  # the engine aborts the request

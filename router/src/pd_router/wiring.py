@@ -58,6 +58,8 @@ def stall_watch(
     """The watch for stalled engines (pd_router.stall); none with ``health.stallSeconds`` 0."""
     if not cfg.health.stall_seconds:
         return None
+    for p in pools:  # each pool's series from the start, at 0 (an alert's increase() needs it)
+        m.stalls.labels(p.name)
     return StallWatch(up, pools, cfg.health, lambda pool: m.stalls.labels(pool).inc())
 
 
