@@ -25,7 +25,9 @@ The changes, and why (one list; everything else is the chart's):
 - the CPU build's own knobs: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), one OpenMP thread
   bound to the engine's core, the whole process tree pinned to that core (unpinned, a prefill
   right after a decode took 483 instead of 23 ms: real-engine-cpu.md);
-- NIXL's progress thread polls every millisecond instead of spinning (harness/engine_site);
+- NIXL's progress thread polls every millisecond instead of spinning, and vLLM's engine core
+  and worker are forked from the API server, vLLM's default that its CPU platform overrides with
+  spawn (each then imports torch and vLLM again: 38 s to ready instead of 18) (harness/engine_site);
 - with tracing on, the collector on loopback for ``--otlp-traces-endpoint``, and the pod name
   the kubelet would put in ``OTEL_RESOURCE_ATTRIBUTES`` (``$(POD_NAME)``).
 """

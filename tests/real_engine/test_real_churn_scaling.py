@@ -11,12 +11,14 @@ every second (the chart's 10 s would only make the test wait):
     decode 2 -> 1   it leaves the answer; once the router has dropped it, SIGTERM (vLLM drains)
     prefill 1 -> 0  the prefiller leaves the answer (NXDOMAIN: no ready endpoint); once the
                     router has emptied the pool, SIGTERM; long prompts are served whole
-    prefill 0 -> 1  a new prefiller at a new address joins: disaggregated again
+    prefill 0 -> 1  a new prefiller joins: disaggregated again
 
 All under the churn tests' load (tests/real_engine/load.py): every answer the decoder's own,
 every error OpenAI-shaped; a scale-down in the chart's order may cost no request at all; once a
 pool is whole again, the next long prompts are all disaggregated. The new prefiller stays the
-dense pair's for the modules after this one."""
+dense pair's for the modules after this one, so it takes the old one's address (127.0.0.1, which
+the observability tier's scrape targets assume): to the router, whose pool was emptied, it is a
+new endpoint all the same."""
 
 from __future__ import annotations
 
@@ -38,8 +40,7 @@ from tests.real_engine.routers import Routers, chart_router_config
 
 HOSTS_SITE = stack.ROOT / "router" / "tests" / "hosts_site"
 REFRESH_SECONDS = "1"
-# The addresses new pods get (an engine already running keeps 127.0.0.1).
-SECOND_DECODER, NEW_PREFILLER = "127.0.0.2", "127.0.0.3"
+SECOND_DECODER = "127.0.0.2"  # the second decoder pod's address (the first keeps 127.0.0.1)
 
 
 @dataclass
@@ -168,7 +169,7 @@ def test_churn_the_prefill_pool_scaled_1_to_0_to_1(
         f"churn: prefill 1 -> 0: emptied {emptied:.1f} s after NXDOMAIN; drained and exited in {took:.1f} s; "
         "long prompts served whole"
     )
-    new = engines.engine("prefill", "dense", 0, workdir, port=old.port, host=NEW_PREFILLER)
+    new = engines.engine("prefill", "dense", 0, workdir, port=old.port, host=old.host)
     pd["prefill"] = new  # the dense pair's prefiller from now on (conftest.Pairs owns it)
     new.start()
     engines.wait_ready([new])
