@@ -69,10 +69,12 @@ SCENARIOS: dict[str, dict[str, list[tuple[str, str] | tuple[str, str, dict[str, 
         "firing": [('pd_router_healthy_endpoints{pool="prefill"}', "0x40")],
         "healthy": [('pd_router_healthy_endpoints{pool="prefill"}', "2x40")],
     },
-    # three stalls in the 15 minutes before EVAL_AT, against two
+    # three stalls in the 15 minutes before EVAL_AT, against two seen by each of two routers
     "PDInferenceEngineStalls": {
         "firing": [('pd_router_engine_stalls_total{pool="decode"}', "0x24 1 1 1 2 2 2 3x10")],
-        "healthy": [('pd_router_engine_stalls_total{pool="decode"}', "0x24 1 1 1 1 1 1 2x10")],
+        "healthy": [('pd_router_engine_stalls_total{pool="decode"}', "0x24 1 1 1 1 1 1 2x10"),
+                    ('pd_router_engine_stalls_total{pool="decode"}', "0x24 1 1 1 1 1 1 2x10",
+                     {"pod": "second-router", "instance": "127.0.0.9:8080"})],
     },
     "PDInferenceRouterRejecting": {
         "firing": [(f'{REQ}{{route="direct",outcome="ok"}}', "0+50x40"), (f'{REQ}{{route="none",outcome="rejected"}}', "0+5x40")],

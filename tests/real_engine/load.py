@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import openai
@@ -118,6 +119,16 @@ class Load:
             f"{len(self.asked) - len(answered)} OpenAI errors, 0 wrong; the {len(during)} in flight at the fault "
             f"ended within {longest:.1f} s of it"
         )
+
+
+@contextmanager
+def running(router: Proc, model: str, tag: str) -> Iterator[Load]:
+    """A :class:`Load` through ``router`` while the block runs (stopped after it, whatever)."""
+    ld = Load(router.url(), model, tag)
+    try:
+        yield ld
+    finally:
+        ld.stop()
 
 
 def metric(router: Proc, name: str, **labels: str) -> float:

@@ -34,19 +34,15 @@ import pytest
 from pd_router_dev.devstack import Proc
 
 from tests.real_engine import engines
-from tests.real_engine.load import CLIENT_SECONDS, Load, back, disaggregated_again, metric, until
+from tests.real_engine.load import CLIENT_SECONDS, Load, back, disaggregated_again, metric, running, until
 from tests.real_engine.prompts import LONG_WORDS, ask, colocated, text
 from tests.real_engine.routers import Routers
 
 
 @pytest.fixture
 def load(router: Proc, model_name: str, request: pytest.FixtureRequest) -> Iterator[Load]:
-    """A :class:`Load` through the router while the test runs (stopped after it, whatever)."""
-    ld = Load(router.url(), model_name, request.node.name)
-    try:
+    with running(router, model_name, request.node.name) as ld:
         yield ld
-    finally:
-        ld.stop()
 
 
 @pytest.fixture(scope="module")
@@ -215,23 +211,46 @@ def test_churn_a_decoder_killed_with_a_hand_off_pending(
 
 
 def test_churn_a_prefiller_killed_mid_transfer(
-    router: Proc, pd: dict[str, engines.Engine], model_name: str, load: Load
+    router: Proc, pd: dict[str, engines.Engine], model_name: str, resumed: None, load: Load
 ) -> None:
-    """SIGKILL to the prefiller the moment it has answered a prefill leg of the load: its KV is
-    being read, or about to be, by the decoder. That request ends right (served whole:
-    ``decode_retry``) or with an OpenAI error, the decoder lives on, and a new prefiller on the
-    address is paired again: a new NIXL engine id where the decoder holds the old one's
-    handshake (vLLM issue 49238 saw the decoder segfault when its prefiller restarted)."""
+    """SIGKILL to the prefiller once it has answered a long prompt's prefill leg, the decoder
+    held still (SIGSTOP) meanwhile so that its pull of that KV comes after the kill (on loopback
+    a pull takes milliseconds: a kill timed from outside lands after it), then let go before the
+    router's stall watch (5 s) would eject it. The decoder's pull from the dead prefiller fails, the router serves the
+    prompt whole (``decode_retry``) with the right answer, the decoder lives on, and a new
+    prefiller on the address is paired again: a new NIXL engine id where the decoder holds the
+    old one's handshake (vLLM issue 49238 saw the decoder segfault when its prefiller
+    restarted)."""
     pre, dec = pd["prefill"], pd["decode"]
     until("a hand-off of the load: a handshake held", lambda: load.handshakes_before_fault() > 0)
+    # token ids, not text: the router would ask an engine's /tokenize for a text's count, and
+    # that may be the decoder held still
+    status, tokenized, _ = engines.post(
+        dec.url, "/tokenize", {"model": model_name, "prompt": text("churn-prefiller-killed", LONG_WORDS)}
+    )
+    assert status == 200, tokenized
+    prompt = tokenized["tokens"]
+    base = colocated(dec.url, model_name, False, prompt)
+    retries = metric(router, "pd_router_fallbacks_total", reason="decode_retry")
     before = prefills(pre)
-    until("the prefiller answers a prefill leg of the load", lambda: prefills(pre) > before)
-    pre.signal(signal.SIGKILL)
-    load.fault()
+    dec.signal(signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(ask, router.url(), model_name, False, prompt, False)
+        try:
+            until("the prefiller answers the prefill leg", lambda: prefills(pre) > before)
+            pre.signal(signal.SIGKILL)
+            load.fault()
+        finally:
+            dec.signal(signal.SIGCONT)
+        got = asked.result(timeout=2 * CLIENT_SECONDS)
+    took = time.monotonic() - load.at
+    print(f"churn: prefiller killed mid-transfer: the right answer, served whole, {took:.1f} s after the kill")
+    assert (got.route, got.reason, got.text) == ("fallback", "decode_retry", base.text)
+    assert metric(router, "pd_router_fallbacks_total", reason="decode_retry") > retries
     pre.restart()
     engines.wait_ready([pre])
     assert dec.popen is not None and dec.popen.poll() is None, dec.log_tail()
     took = disaggregated_again(router, dec.url, model_name, "churn-prefiller-killed-back")
-    print(f"churn: prefiller killed mid-transfer: disaggregated again {took:.1f} s after the new one was ready")
+    print(f"churn: prefiller replaced: disaggregated again {took:.1f} s after it was ready")
     print(f"churn: prefiller replaced: {load.settle(time.monotonic())}")
     print(f"churn: prefiller killed mid-transfer, {load.check(dec.url)}")

@@ -13,7 +13,8 @@ every second (the chart's 10 s would only make the test wait):
                     router has emptied the pool, SIGTERM; long prompts are served whole
     prefill 0 -> 1  a new prefiller joins: disaggregated again
 
-All under the churn tests' load (tests/real_engine/load.py): every answer the decoder's own,
+The tests run in this order, each from the fleet the one before left (a module's state, as the
+churn steps follow one another). All under the churn tests' load (tests/real_engine/load.py): every answer the decoder's own,
 every error OpenAI-shaped; a scale-down in the chart's order may cost no request at all; once a
 pool is whole again, the next long prompts are all disaggregated. The new prefiller stays the
 dense pair's for the modules after this one, so it takes the old one's address (127.0.0.1, which
@@ -34,7 +35,7 @@ from pd_router_dev.devstack import Proc
 
 from tests.engines import stack
 from tests.real_engine import engines
-from tests.real_engine.load import Load, disaggregated_again, metric, until
+from tests.real_engine.load import Load, disaggregated_again, metric, running, until
 from tests.real_engine.prompts import LONG_WORDS, ask, colocated, text
 from tests.real_engine.routers import Routers, chart_router_config
 
@@ -100,11 +101,8 @@ def fleet(pd: dict[str, engines.Engine], routers: Routers, workdir: Path) -> Ite
 
 @pytest.fixture
 def load(fleet: Fleet, model_name: str, request: pytest.FixtureRequest) -> Iterator[Load]:
-    ld = Load(fleet.router.url(), model_name, request.node.name)
-    try:
+    with running(fleet.router, model_name, request.node.name) as ld:
         yield ld
-    finally:
-        ld.stop()
 
 
 def drained(e: engines.Engine) -> float:

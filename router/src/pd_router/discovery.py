@@ -25,7 +25,8 @@ log = logging.getLogger("pd_router.discovery")
 
 # Lookups in a row that must find no such name before a DNS pool is emptied (discover_once).
 EMPTY_AFTER_NXDOMAIN = 2
-# getaddrinfo's answers for a name without an address (NXDOMAIN; NODATA), not a failed lookup.
+# getaddrinfo's answers for a name without an address (NXDOMAIN, or NODATA: the name without
+# an A/AAAA record), not a failed lookup.
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
@@ -398,6 +399,7 @@ class EndpointPool:
         except OSError as exc:
             if not _no_such_name(exc):
                 # Keep the last known set on other DNS errors: a blip must not empty the pool.
+                self._no_such_name = 0  # (and NXDOMAIN is believed twice in a row only)
                 log.warning(
                     "pool %s: DNS lookup of %s failed: %s", self.name, self.cfg.dns.name, exc
                 )

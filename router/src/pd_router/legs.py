@@ -255,7 +255,8 @@ class Legs:
 
     def engine_failed(self, pool: EndpointPool, ep: Endpoint) -> None:
         """``ep`` failed its leg (connect error, timeout, 5xx, an unreadable or broken answer,
-        a hand-off's notification failed or missing): one more toward its ejection."""
+        a hand-off's notification failed or missing, a decoder that answered that it could not
+        read a NIXL prefill's KV): one more toward its ejection."""
         pool.report_failure(ep)
 
     # ------------------------------------------------------------------ the pair
@@ -304,9 +305,10 @@ class Legs:
         once when no other is left. ``named``: ``data`` names a KV revision's model
         (pd_router.revision), so a 404 is the decoder refusing that revision: it is asked its
         revision anew and ``retry_data`` goes out instead (fallback ``no_revision_pair``).
-        ``kv_source``: the engine that prefilled ``data``'s KV (flexible layout: it is a
-        decoder too); it is never sent its own ``kv_transfer_params`` (vLLM 0.31/0.33 do not
-        guard a handshake with themselves), only ``retry_data``. Raises the last
+        ``kv_source``: the engine that prefilled ``data``'s KV: a try that carries its
+        hand-off reports on it (:meth:`_decoder_attempt`); under the flexible layout it is a
+        decoder too, never sent its own ``kv_transfer_params`` (vLLM 0.31/0.33 do not guard a
+        handshake with themselves), only ``retry_data``. Raises the last
         :class:`LegError`."""
         out = self.outcomes
         idle = self.t.stream_idle_seconds if stream else self.t.first_byte_seconds
@@ -348,10 +350,13 @@ class Legs:
     ) -> Response:
         """One of ``tries``, on ``ep``: traced, its outcome reported against the decoder (a
         revision it refused is relearnt, not counted). A try that carried ``kv_source``'s
-        hand-off reports on that too: its KV was read, or the decoder answered that it could not
-        be (vLLM fails the request: a 500, or a stream with no token), a failure of the
-        hand-off counted against the prefiller, not the decoder: a side channel that nobody
-        answers on must eject the prefiller, not every decoder it pairs with. Raises its
+        hand-off reports on the prefiller too: an answer (200) means its KV was read. A try the
+        decoder answered with a failure (a 5xx, or a stream with no token: how vLLM fails a
+        request whose KV load failed, though the router cannot tell that 500 from another) is
+        counted against the prefiller instead of the decoder, which is up and serves the
+        retry: a side channel nobody answers on must eject its prefiller, not every decoder it
+        pairs with. (A decoder that cannot pull from anyone is not ejected by this; its
+        prefillers are, and long prompts are served whole: docs/router.md.) Raises its
         :class:`LegError`."""
         span = leg_span(ctx, "decode", ep, path)
         kv = tries.handoff
@@ -368,7 +373,7 @@ class Legs:
             self._decoder_failed(ctx, ep, span, err, source)
             raise
         self.engine_ok(self.decode_pool, ep)
-        if source is not None:
+        if source is not None and resp.status == 200:
             self.engine_ok(self.prefill_pool, source)  # its KV was read: the hand-off held
         ctx.revision = ep.revision or ""
         ctx.engine = ep.base
@@ -388,6 +393,14 @@ class Legs:
             self.decode_pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
         elif source is not None and err.answered:
             self.engine_failed(self.prefill_pool, source)  # the decoder is up; the KV was not
+            log.warning(
+                "hand-off from prefiller %s to decoder %s failed (%s): counted against the "
+                "prefiller",
+                source.base,
+                ep.base,
+                err.kind,
+                extra={"request_id": ctx.rid},
+            )
         else:
             self.engine_failed(self.decode_pool, ep)
         self.outcomes.upstream("decode", err.kind)

@@ -97,7 +97,7 @@ class NixlRoute:
         ntok = ctx.ptok or len(ctx.raw) // 4
         pbody = revision.leg_model(prefill_body(body), legs.served, ep.revision)
         answer = await legs.prefill(ctx, ep, ctx.path, pbody, ntok)
-        # (a NIXL prefill has proved itself once a decoder read its KV: Legs.open_decoder)
+        # (a NIXL prefill has proved itself once a decoder read its KV: Legs._decoder_attempt)
         kvp = decode_params(answer)
         if kvp is None:
             legs.outcomes.upstream("prefill", "no_kv_params")
