@@ -232,14 +232,15 @@ def test_a_failed_kv_load_is_served_again_without_the_handoff(
     )
 
 
-def test_a_handoff_that_keeps_failing_ejects_the_prefiller_not_the_decoder(nx: Nixl) -> None:
+def test_a_failed_handoff_quarantines_the_pair_and_ejects_neither_engine(nx: Nixl) -> None:
     """Every hand-off fails on the decoder (a side channel nobody answers on: vLLM answers that
-    it could not read the KV), while the decoder itself serves well: the failures count against
-    the prefiller. With passiveFailureThreshold 1 the first one ejects it; the only decoder
-    stays in and serves that prompt whole, and the next long prompt goes whole as no_prefiller
-    (before, the decoder was ejected and the client got a 500)."""
+    it could not read the KV), while both engines serve well: the failure is the pair's
+    (pd_router.pairs). Even with passiveFailureThreshold 1 neither engine is ejected (before,
+    the decoder was, and the client got a 500; then the prefiller was, which under the flexible
+    layout took a serving engine out); the prompt is served whole, and the next long prompt
+    goes whole without a prefill (handoff_failing) while the pair is out."""
     r = nx.router(
-        "nx-router-kvfail-eject",
+        "nx-router-kvfail-pair",
         {"health": {"intervalSeconds": 60, "passiveFailureThreshold": 1}},
         decoders=[nx.decoders[0].url()],
     )
@@ -251,11 +252,11 @@ def test_a_handoff_that_keeps_failing_ejects_the_prefiller_not_the_decoder(nx: N
     def healthy(pool: str) -> float:
         return metric_value(r.url(), "pd_router_healthy_endpoints", {"pool": pool})
 
-    assert (healthy("decode"), healthy("prefill")) == (1, 0)
-    before = metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "no_prefiller"})
+    assert (healthy("decode"), healthy("prefill")) == (1, 1)
+    before = metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "handoff_failing"})
     again = answer(r.url(), True, long_text(301), False, ignore_eos=True, max_tokens=8)
     assert again[2] == "fallback"
-    assert metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "no_prefiller"}) == (
+    assert metric_value(r.url(), "pd_router_fallbacks_total", {"reason": "handoff_failing"}) == (
         before + 1
     )
 

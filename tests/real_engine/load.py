@@ -120,6 +120,16 @@ class Load:
             f"ended within {longest:.1f} s of it"
         )
 
+    def longest(self, since: float, until: float) -> str:
+        """The longest request of those that overlapped [since, until] (a fault's time), what
+        to print."""
+        hit = [a for a in self.asked if a.start <= until and a.end >= since]
+        worst = max(hit, key=lambda a: a.end - a.start)
+        return (
+            f"the longest of the {len(hit)} load requests asked or in flight meanwhile took "
+            f"{worst.end - worst.start:.1f} s ({'long' if worst.long else 'short'} prompt, {worst.route} {worst.reason})"
+        )
+
 
 @contextmanager
 def running(router: Proc, model: str, tag: str) -> Iterator[Load]:

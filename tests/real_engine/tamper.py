@@ -5,7 +5,11 @@ a deployment breaks it: ``python -m tests.real_engine.tamper --upstream URL --po
 - ``pass``: relayed as they are;
 - ``wrong_port``: ``kv_transfer_params`` name a side-channel port nothing listens on (and a
   prefiller the decoder never met, so it cannot reuse an earlier handshake): what a decoder sees
-  when a NetworkPolicy or a wrong ``VLLM_NIXL_SIDE_CHANNEL_PORT`` blocks the side channel;
+  when a NetworkPolicy or a wrong ``VLLM_NIXL_SIDE_CHANNEL_PORT`` blocks the side channel. One
+  port and engine id per arming, as one prefiller's answers all name its one engine id: vLLM
+  0.31's requests waiting on one engine id share one handshake, where an id per answer would be
+  a new prefiller each time, each its own 5 s handshake in turn on the decoder's one handshake
+  thread (``nixl/base_worker.py``: ``_ensure_handshake``, ``max_workers=1``);
 - ``kill``: the prefiller's whole process group is killed after it answered and before the
   router gets that answer, so the decoder is told to pull KV from a prefiller that is gone.
 Everything else (health checks, /metrics) passes through unchanged.
@@ -37,12 +41,14 @@ class Tamper:
         self.upstream = upstream.rstrip("/")
         self.pgid = pgid
         self.mode, self.count = "pass", 0
+        self.blocked = (0, "")  # wrong_port's (port, engine id), chosen at each arming
         self.session: aiohttp.ClientSession | None = None
         self.done: dict[str, int] = {}
 
     async def arm(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.mode, self.count = body["mode"], int(body.get("count", -1))
+        self.blocked = (closed_port(), str(uuid.uuid4()))
         return web.json_response({"mode": self.mode, "count": self.count, "done": self.done})
 
     def _take(self) -> str:
@@ -73,8 +79,7 @@ class Tamper:
             if mode == "wrong_port":
                 answer = json.loads(raw)
                 kv = answer["kv_transfer_params"]
-                kv["remote_port"] = closed_port()
-                kv["remote_engine_id"] = str(uuid.uuid4())
+                kv["remote_port"], kv["remote_engine_id"] = self.blocked
                 raw = json.dumps(answer).encode()
             elif mode == "kill" and self.pgid:
                 os.killpg(self.pgid, signal.SIGKILL)

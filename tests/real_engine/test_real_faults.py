@@ -71,15 +71,17 @@ def test_churn_the_side_channel_blocked_under_load(
 ) -> None:
     """Every hand-off's side channel blocked mid-run, under the churn tests' load
     (tests/real_engine/load.py), then open again: each long prompt meanwhile is served whole
-    with the right answer (``decode_retry``), the failed hand-offs count against the prefiller
-    (ejected: ``no_prefiller``), never against the decoder, which goes on serving everything,
-    and once the channel opens the prefiller is re-admitted and long prompts are disaggregated
-    again. A router of its own, ejecting for 1 s (the chart's 30 s would only make it wait)."""
+    with the right answer (``decode_retry``, or ``handoff_failing`` while the pair is out); the
+    failed hand-offs quarantine the pair (pd_router.pairs) and abandon the others waiting on
+    it, and eject neither engine (no ``no_prefiller``; an ejected sole decoder would show up as
+    errors); once the channel opens long prompts are disaggregated again. A router of its own,
+    quarantining for 1 s (the chart's 30 s would only make it wait)."""
     _, proxy = tampered
     router = routers.start([proxy.url()], [pd["decode"].url], env={"PD_ROUTER__HEALTH__EJECTIONSECONDS": "1"})
     back(router, "prefill")
     back(router, "decode")
     ejected = metric(router, "pd_router_fallbacks_total", reason="no_prefiller")
+    quarantined = metric(router, "pd_router_fallbacks_total", reason="handoff_failing")
     with running(router, model_name, request.node.name) as load:
         try:
             arm(proxy, "wrong_port", -1)  # every hand-off from now on
@@ -87,21 +89,24 @@ def test_churn_the_side_channel_blocked_under_load(
             prompt = text("churn-side-channel", LONG_WORDS)
             got = ask(router.url(), model_name, True, prompt, True)
             took = time.monotonic() - load.at
-            assert got.route == "fallback" and got.reason in ("decode_retry", "no_prefiller"), got
+            assert got.route == "fallback" and got.reason in ("decode_retry", "handoff_failing"), got
             assert got.text == colocated(pd["decode"].url, model_name, True, prompt).text
             until(
-                "the prefiller nobody can pull from ejected",
-                lambda: metric(router, "pd_router_fallbacks_total", reason="no_prefiller") > ejected,
+                "a long prompt served whole, without a prefill, while the pair is out",
+                lambda: metric(router, "pd_router_fallbacks_total", reason="handoff_failing") > quarantined,
                 4 * CLIENT_SECONDS,
             )
             print(f"churn: side channel blocked: the right answer, served whole, {took:.1f} s after the block")
         finally:
             arm(proxy, "pass")
+            opened = time.monotonic()
         again = disaggregated_again(router, pd["decode"].url, model_name, "churn-side-channel-back")
         print(f"churn: side channel open: disaggregated again {again:.1f} s after")
         print(f"churn: side channel open: {load.settle(time.monotonic())}")
         # no error at all: an ejected decoder (the only one) would have answered 503s
         print(f"churn: side channel blocked, {load.check(pd['decode'].url, errors=False)}")
+        print(f"churn: side channel blocked, {load.longest(load.at, opened)}")
+    assert metric(router, "pd_router_fallbacks_total", reason="no_prefiller") == ejected, "the prefiller was ejected"
 
 
 @pytest.fixture
@@ -124,11 +129,12 @@ def test_a_prefiller_killed_after_its_prefill_falls_back_to_the_right_answer(
     arm(proxy, "kill")
     got = ask(router.url(), model_name, False, prompt, True)
     assert got.route == "fallback" and got.text == base.text, got
-    # the next long prompt finds no prefiller to talk to and is served directly, right
+    # the next long prompt finds no prefiller to talk to, or its pair out after its failed
+    # hand-offs (pd_router.pairs), and is served directly, right
     prompt2 = text("killed-after-2", LONG_WORDS)
     base2 = colocated(pd["decode"].url, model_name, False, prompt2)
     got2 = ask(router.url(), model_name, False, prompt2, False)
-    assert got2.route == "fallback" and got2.reason in ("prefill_error", "no_prefiller")
+    assert got2.route == "fallback" and got2.reason in ("prefill_error", "no_prefiller", "handoff_failing")
     assert got2.text == base2.text
 
 

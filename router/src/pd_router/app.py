@@ -47,6 +47,7 @@ from pd_router.openai_wire import (
     too_deep,
     validate,
 )
+from pd_router.pairs import HandoffPairs
 from pd_router.request import Ctx, Outcomes
 from pd_router.served import ServedModel
 from pd_router.tokens import TokenCounter, tokenizer_from_json
@@ -82,11 +83,18 @@ class Router:
         self.up = UpstreamClient(cfg.timeouts.connect_seconds)  # hot path
         self.stall = wiring.stall_watch(cfg, self.up, self.pools, m)
         self.served_model = ServedModel(cfg.model.served_name)  # its cards, its context length
+        self.pairs = HandoffPairs(cfg.health)  # hand-off health per pair (pd_router.pairs)
         self.legs = Legs(
-            cfg.timeouts, self.up, self.prefill, self.decode, self.outcomes, self.served_model
+            cfg.timeouts,
+            self.up,
+            self.prefill,
+            self.decode,
+            self.outcomes,
+            self.served_model,
+            self.pairs,
         )
         self.costs = wiring.cost_model(cfg, m)
-        self.decider = Decider(cfg.routing, self.counter, self.events, self.costs)
+        self.decider = Decider(cfg.routing, self.counter, self.events, self.costs, self.pairs)
         self.decider.base_names = (cfg.model.served_name,)
         # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)

@@ -54,38 +54,37 @@ def pair(
     hint: Endpoint | None = None,
     affinity_key: str | None = None,
     prefill_hint: Endpoint | None = None,
+    usable: Callable[[Endpoint, Endpoint], bool] | None = None,
 ) -> tuple[Endpoint, Endpoint] | None:
     """A decoder and a prefiller of one KV revision and weight set (``Endpoint.pairing``:
     pd_router.revision, pd_router.weights), never one engine for both (a flexible pool's
-    engines are in both lists): ``hint`` (the decision's decoder) when a prefiller it pairs
-    with is healthy, else the balancer's choice among the decoders that have one;
-    ``prefill_hint`` (the decision's prefiller) when it is healthy and pairs with the decoder,
-    else the balancer's. None when no decoder has one (both roles mid-rollout)."""
+    engines are in both lists), and only a pair that ``usable(prefiller, decoder)`` allows
+    (pd_router.pairs: not quarantined for failed hand-offs; None: every pair): ``hint`` (the
+    decision's decoder) when a prefiller it pairs with is healthy, else the balancer's choice
+    among the decoders that have one; ``prefill_hint`` (the decision's prefiller) when it is
+    healthy and pairs with the decoder, else the balancer's. None when no decoder has one (both
+    roles mid-rollout, or every pair quarantined)."""
     keys = {p.pairing for p in prefillers if p.pairing is not None}
 
+    def pairs(p: Endpoint, d: Endpoint) -> bool:
+        return p is not d and p.pairing == d.pairing and (usable is None or usable(p, d))
+
     def paired(d: Endpoint) -> bool:
-        key = d.pairing
-        return any(p.pairing == key and p is not d for p in prefillers)
+        return any(pairs(p, d) for p in prefillers)
 
     # a flexible pool passes its one list as both (every engine in both roles)
     split = decoders is not prefillers
     if hint is not None and hint.pairing in keys and paired(hint):
         dec: Endpoint | None = hint
-    elif split and len(keys) == 1 and all(d.pairing in keys for d in decoders):
+    elif split and usable is None and len(keys) == 1 and all(d.pairing in keys for d in decoders):
         dec = pick(decoders, decode_load, affinity_key)  # one revision live: the common case
     else:
         eps = [d for d in decoders if d.pairing in keys and paired(d)]
         dec = pick(eps, decode_load, affinity_key)
     if dec is None:
         return None
-    key = dec.pairing
-    if (
-        prefill_hint is not None
-        and prefill_hint is not dec
-        and prefill_hint.pairing == key
-        and prefill_hint in prefillers
-    ):
+    if prefill_hint is not None and prefill_hint in prefillers and pairs(prefill_hint, dec):
         return dec, prefill_hint
-    pre = pick([p for p in prefillers if p.pairing == key and p is not dec], prefill_load)
+    pre = pick([p for p in prefillers if pairs(p, dec)], prefill_load)
     assert pre is not None  # paired(dec)
     return dec, pre

@@ -43,6 +43,7 @@ from pd_router.failures import TokenizeError
 from pd_router.kv_events import Identity, KvEventIndex, identity_of
 from pd_router.lengths import requested_max_tokens
 from pd_router.openai_wire import is_batch
+from pd_router.pairs import HandoffPairs
 from pd_router.plan import Option, Planner
 from pd_router.prefix import BYTES_PER_TOKEN, Blocks, PrefixIndex, identity
 from pd_router.tokens import (
@@ -118,6 +119,7 @@ class Decider:
         counter: TokenCounter,
         events: KvEventIndex | None = None,
         costs: CostModel | None = None,
+        pairs: HandoffPairs | None = None,
     ) -> None:
         self.threshold = routing.threshold
         self.counter = counter
@@ -125,7 +127,7 @@ class Decider:
         # the goodput decision reads what the engines hold as the prefix decision does
         prefix = routing.decision in ("prefix", "goodput")
         self.costs = costs if routing.decision == "goodput" else None
-        self.planner = Planner(costs) if self.costs is not None else None
+        self.planner = Planner(costs, pairs) if self.costs is not None else None
         self.index = PrefixIndex(pc.capacity_tokens) if prefix else None
         self.imbalance = pc.max_load_imbalance
         self.busy_tokens = routing.prefill_busy.queued_tokens

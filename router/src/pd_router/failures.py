@@ -15,8 +15,11 @@ import aiohttp
 # What a call to an engine can raise (the lean client's UpstreamError is an OSError).
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
-# "revision": the engine refused the KV revision's model name it was sent (pd_router.revision)
-Kind = Literal["connect", "timeout", "5xx", "stream", "bad_response", "no_decoder", "revision"]
+# "revision": the engine refused the KV revision's model name it was sent (pd_router.revision);
+# "abandoned": a hand-off given up because another one on its pair failed (pd_router.pairs)
+Kind = Literal[
+    "connect", "timeout", "5xx", "stream", "bad_response", "no_decoder", "revision", "abandoned"
+]
 
 
 class LegError(Exception):

@@ -31,6 +31,7 @@ from pd_router.openai_wire import (
     stream_opening,
     tokenize_request,
 )
+from pd_router.pairs import HandoffPairs
 from pd_router.request import Ctx, Fallback, Outcomes
 from pd_router.served import ServedModel
 from pd_router.tracing import CLIENT, Span, Trace
@@ -230,6 +231,7 @@ class Legs:
         decode: EndpointPool,
         outcomes: Outcomes,
         model: ServedModel,
+        pairs: HandoffPairs,
     ) -> None:
         self.t = timeouts
         self.up = up
@@ -238,6 +240,7 @@ class Legs:
         # pools.layout flexible: one pool in both roles (an engine never prefills for itself)
         self.flexible = prefill is decode
         self.outcomes = outcomes
+        self.pairs = pairs  # hand-off health per (prefiller, decoder): pd_router.pairs
         self.model = model  # its context length, learnt from /tokenize too
         self.served = model.name
         self.t_tokenize = min(30.0, timeouts.first_byte_seconds)
@@ -264,16 +267,19 @@ class Legs:
         """The decoder and the prefiller of a hand-off (balancing.pair: one KV revision and
         weight set, the decision's decoder first, then ``preferred`` as prefiller); sets
         ``ctx.decoder``. Raises :class:`Fallback` (``no_prefiller``, ``no_revision_pair``,
-        ``weights_differ``) while the request can still be served whole, :class:`LegError` when
-        no decoder is healthy."""
+        ``weights_differ``, ``handoff_failing``) while the request can still be served whole,
+        :class:`LegError` when no decoder is healthy."""
         prefillers = self.prefill_pool.healthy
         if not prefillers or (self.flexible and len(prefillers) < 2):
             raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
         decoders = self.decode_pool.healthy
-        chosen = balancing.pair(decoders, prefillers, ctx.decoder, ctx.affinity, preferred)
+        usable = self.pairs.usable if self.pairs.any_out else None
+        chosen = balancing.pair(decoders, prefillers, ctx.decoder, ctx.affinity, preferred, usable)
         if chosen is None:
             if not decoders:
                 raise LegError.no_decoder()
+            if usable is not None and balancing.pair(decoders, prefillers) is not None:
+                raise Fallback("handoff_failing")  # every pair there is failed lately
             # no decoder of a live prefiller's revision, or only of other weights under it
             revs = {p.revision for p in prefillers if p.pairing is not None}
             if any(d.revision in revs for d in decoders if d.pairing is not None):
@@ -350,14 +356,12 @@ class Legs:
     ) -> Response:
         """One of ``tries``, on ``ep``: traced, its outcome reported against the decoder (a
         revision it refused is relearnt, not counted). A try that carried ``kv_source``'s
-        hand-off reports on the prefiller too: an answer (200) means its KV was read. A try the
-        decoder answered with a failure (a 5xx, or a stream with no token: how vLLM fails a
-        request whose KV load failed, though the router cannot tell that 500 from another) is
-        counted against the prefiller instead of the decoder, which is up and serves the
-        retry: a side channel nobody answers on must eject its prefiller, not every decoder it
-        pairs with. (A decoder that cannot pull from anyone is not ejected by this; its
-        prefillers are, and long prompts are served whole: docs/router.md.) Raises its
-        :class:`LegError`."""
+        hand-off reports on the pair (pd_router.pairs): an answer (200) means the KV was read.
+        A try the decoder answered with a failure (a 5xx, or a stream with no token: how vLLM
+        fails a request whose KV load failed, though the router cannot tell that 500 from
+        another) is the pair's failure, not the decoder's, which is up and serves the retry:
+        the pair is quarantined, and the hand-offs still waiting on it are abandoned and served
+        whole (``abandoned``, counted against nobody). Raises its :class:`LegError`."""
         span = leg_span(ctx, "decode", ep, path)
         kv = tries.handoff
         source = kv_source if kv else None
@@ -366,15 +370,21 @@ class Legs:
             if tries.retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
                 span.attrs["pd.kv_transfer_params"] = kv
         try:
-            resp = await self._try_decoder(
-                ctx, ep, path, tries.data, stream, idle, named and kv, span, kv
-            )
+            if source is None:
+                resp = await self._try_decoder(
+                    ctx, ep, path, tries.data, stream, idle, named and kv, span, kv
+                )
+            else:
+                resp = await self._try_handoff(
+                    ctx, ep, source, path, tries.data, stream, idle, named, span
+                )
         except LegError as err:
             self._decoder_failed(ctx, ep, span, err, source)
             raise
         self.engine_ok(self.decode_pool, ep)
         if source is not None and resp.status == 200:
             self.engine_ok(self.prefill_pool, source)  # its KV was read: the hand-off held
+            self.pairs.ok(source, ep)
         ctx.revision = ep.revision or ""
         ctx.engine = ep.base
         if span is not None:
@@ -385,27 +395,48 @@ class Legs:
     def _decoder_failed(
         self, ctx: Ctx, ep: Endpoint, span: Span | None, err: LegError, source: Endpoint | None
     ) -> None:
-        """A failed try: its span ended, the decoder (or the hand-off's ``source``) counted, or
-        the decoder relearnt; the failure logged."""
+        """A failed try: its span ended, the decoder (or the hand-off's pair) counted, or the
+        decoder relearnt; the failure logged."""
         if span is not None:
             Trace.end(span, err.kind)
+        quiet = err.kind in ("5xx", "abandoned")  # (the engine's own log says why)
         if err.kind == "revision":
             self.decode_pool.relearn(ep)  # not a failure of the decoder: it runs other bits now
+        elif err.kind == "abandoned":
+            pass  # another hand-off on its pair failed: nobody's failure of its own
         elif source is not None and err.answered:
-            self.engine_failed(self.prefill_pool, source)  # the decoder is up; the KV was not
-            log.warning(
-                "hand-off from prefiller %s to decoder %s failed (%s): counted against the "
-                "prefiller",
-                source.base,
-                ep.base,
-                err.kind,
-                extra={"request_id": ctx.rid},
-            )
+            self.pairs.failed(source, ep, err.kind, ctx.rid)  # the decoder is up; the KV was not
+            quiet = True  # (logged there, naming both)
         else:
             self.engine_failed(self.decode_pool, ep)
         self.outcomes.upstream("decode", err.kind)
-        if err.kind != "5xx":
+        if not quiet:
             log.warning("decoder %s failed: %s", ep.base, err.kind, extra={"request_id": ctx.rid})
+
+    async def _try_handoff(
+        self,
+        ctx: Ctx,
+        ep: Endpoint,
+        source: Endpoint,
+        path: str,
+        data: bytes,
+        stream: bool,
+        idle: float,
+        named: bool,
+        span: Span | None,
+    ) -> Response:
+        """:meth:`_try_decoder` for a hand-off from ``source``, abandoned (``LegError``
+        ``abandoned``) if another hand-off on the pair fails before its answer begins."""
+        with self.pairs.waiting(source, ep) as w:
+            try:
+                async with w.scope:
+                    return await self._try_decoder(
+                        ctx, ep, path, data, stream, idle, named, span, True
+                    )
+            except TimeoutError:
+                if not w.abandoned:
+                    raise
+        raise LegError("abandoned", 502)
 
     async def _try_decoder(
         self,

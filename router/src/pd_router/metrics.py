@@ -44,7 +44,7 @@ ROUTES_OUTCOMES = (
 FallbackReason = Literal[
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
-    "reasoning_parser", "prefill_refused", "no_revision_pair", "weights_differ",
+    "reasoning_parser", "prefill_refused", "no_revision_pair", "weights_differ", "handoff_failing",
 ]  # fmt: skip
 FALLBACK_REASONS: tuple[FallbackReason, ...] = get_args(FallbackReason)
 # ... of which the request is the cause, not a broken hand-off (the chart's

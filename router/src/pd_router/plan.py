@@ -78,6 +78,7 @@ from pd_router.costs import (
     poisson_above,
 )
 from pd_router.discovery import Endpoint
+from pd_router.pairs import HandoffPairs
 
 # Spread of a TTFT prediction (the standard deviation of log(observed / predicted)) used to
 # turn it into the chance of missing the bound: the cost model aims at 25 % p50 error.
@@ -159,8 +160,9 @@ class Choice:
 class Planner:
     """Weighs the options of one request (see the module docstring)."""
 
-    def __init__(self, model: CostModel) -> None:
+    def __init__(self, model: CostModel, pairs: HandoffPairs | None = None) -> None:
         self.model = model
+        self.pairs = pairs  # pairs quarantined for failed hand-offs are not options
         self.itl_bound = model.cfg.itl_seconds
 
     def _costs(self, ep: Endpoint, now: float) -> EngineCosts:
@@ -354,9 +356,12 @@ class Planner:
             dec.append((itl_miss, wait, step, y, c.decoding))
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None
+        pairs = self.pairs if self.pairs is not None and self.pairs.any_out else None
         for harm, pf, x, slow in pre[:PAIR_CANDIDATES]:
             for itl_miss, wait, step, y, streams in dec[:PAIR_CANDIDATES]:
                 if y is x or y.pairing != x.pairing:
+                    continue
+                if pairs is not None and not pairs.usable(x, y):
                     continue
                 ttft = pf + wait
                 itl_misses = harm + itl_miss

@@ -3,6 +3,7 @@ client's interface), a recording client side, and a KV waiter. No sockets, no pr
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,6 +16,7 @@ from pd_router.discovery import EndpointPool
 from pd_router.handoff.lmcache_notify import Ticket
 from pd_router.legs import ClientGone, Legs
 from pd_router.metrics import Metrics
+from pd_router.pairs import HandoffPairs
 from pd_router.request import Ctx, Outcomes
 from pd_router.served import ServedModel
 
@@ -66,6 +68,18 @@ class FakeResponse:
         self._done()
 
 
+class Held:
+    """A call that is never answered (an engine waiting on something that will not come):
+    ``reached`` is set once a call waits on it; only a cancellation ends it."""
+
+    def __init__(self) -> None:
+        self.reached = asyncio.Event()
+
+    async def hold(self) -> None:
+        self.reached.set()
+        await asyncio.Event().wait()
+
+
 class FakeUpstream:
     """``post`` answers from a script per (port, path): a FakeResponse or an exception, in
     order; every call is recorded with its JSON body."""
@@ -98,6 +112,13 @@ class FakeUpstream:
         answer = (
             todo.pop(0) if todo else ConnectionRefusedError(f"nothing scripted on {port}{path}")
         )
+        if isinstance(answer, Held):
+            try:
+                await answer.hold()
+            except BaseException:
+                if on_done is not None:
+                    on_done()
+                raise
         if isinstance(answer, BaseException):
             if on_done is not None:
                 on_done()
@@ -231,6 +252,7 @@ class World:
             self.decode,
             self.outcomes,
             ServedModel("m"),
+            HandoffPairs(self.cfg.health),
         )
 
     def direct(self) -> AsApp:

@@ -10,10 +10,10 @@ from typing import Any
 
 import orjson
 import pytest
-from fakes import AsApp, FakeDownstream, FakeResponse, FakeWaiter, World, ctx
+from fakes import AsApp, FakeDownstream, FakeResponse, FakeWaiter, Held, World, ctx
 
 from pd_router import balancing
-from pd_router.config import LMCache
+from pd_router.config import Health, LMCache
 from pd_router.failures import LegError
 from pd_router.handoff.direct import DirectRoute
 from pd_router.handoff.lmcache import LMCacheRoute
@@ -212,6 +212,43 @@ def test_nixl_retries_a_stream_that_ends_with_no_token_without_the_handoff() -> 
     assert "kv_transfer_params" in decodes[0] and "kv_transfer_params" not in decodes[1]
     assert down.events == [ROLE, TOKEN, DONE] and down.headers["x-pd-reason"] == "decode_retry"
     assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="stream") == 1
+    assert w.load() == [(0, 0)] * 2
+
+
+def test_a_failed_handoff_quarantines_its_pair_and_serves_what_waits_on_it_whole() -> None:
+    """Two hand-offs from one prefiller wait on one decoder (vLLM: each its own 5 s handshake
+    with a side channel nobody answers on); the second fails (500). The first is abandoned at
+    once rather than waiting its turn, and both are served whole; neither engine is counted
+    failed (the pair is: pd_router.pairs), and the next long prompt is served whole without a
+    prefill (``handoff_failing``) while the pair is out (passiveFailureThreshold 1)."""
+    w = World(decode=(D1,))
+    w.legs.pairs.health = Health(passive_failure_threshold=1)
+    path = "/v1/completions"
+    for _ in range(2):
+        w.up.on(P1, path, FakeResponse(200, completion("a", kv_transfer_params=KVP)))
+    held = Held()
+    w.up.on(D1, path, held, FakeResponse(500, b"{}"))
+    w.up.on(D1, path, *(FakeResponse(200, completion("whole")) for _ in range(3)))
+    route = nixl(w)
+    downs = [FakeDownstream() for _ in range(3)]
+
+    async def main() -> None:
+        first = asyncio.create_task(route.serve(ctx({"prompt": "long 1"}), downs[0]))
+        await held.reached.wait()  # its decode leg waits on the decoder
+        await route.serve(ctx({"prompt": "long 2"}), downs[1])
+        await asyncio.wait_for(first, 5)  # (waited forever, were it not abandoned)
+        await route.serve(ctx({"prompt": "long 3"}), downs[2])
+
+    run(main())
+    assert [d.status for d in downs] == [200] * 3
+    assert [d.headers["x-pd-reason"] for d in downs] == ["decode_retry"] * 2 + ["handoff_failing"]
+    decodes = [b for port, b in w.up.calls_to(path) if port == D1]
+    assert ["kv_transfer_params" in b for b in decodes] == [True, True, False, False, False]
+    assert len(w.up.calls_to(path)) == 7  # two prefills, five decoder calls: none for the third
+    assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="abandoned") == 1
+    assert w.sample("pd_router_upstream_errors_total", pool="decode", kind="5xx") == 1
+    assert (w.ep(P1).passive_failures, w.ep(D1).passive_failures) == (0, 0)
+    assert [e.healthy for e in (w.ep(P1), w.ep(D1))] == [True, True]
     assert w.load() == [(0, 0)] * 2
 
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from pd_router.config import Goodput, GoodputSeed
+from pd_router.config import Goodput, GoodputSeed, Health
 from pd_router.costs import (
     CROWD_CONSOLIDATE,
     PRIOR_CHUNK_TOKENS,
@@ -23,6 +23,7 @@ from pd_router.costs import (
     poisson_above,
 )
 from pd_router.discovery import Endpoint
+from pd_router.pairs import HandoffPairs
 from pd_router.plan import WAKE, Planner, ttft_miss
 
 # A 1 ms/token prefill, 10 ms decode steps, a 20 ms hand-off: an engine of round numbers.
@@ -81,6 +82,14 @@ def decoding(
 def prefilled_often(model: CostModel, ep: Endpoint, slow_steps: int) -> None:
     """Prefills placed on ``ep`` lately stretched ``slow_steps`` of its steps."""
     costs(model, ep).slow.add(slow_steps, model.clock())
+
+
+def prefills_slowly(model: CostModel, ep: Endpoint) -> None:
+    """``ep`` taught the model that it prefills at 3 ms a token, a third of the seed's speed."""
+    slow = costs(model, ep)
+    for n in (500, 1000, 2000, 3000):
+        for _ in range(20):
+            slow.prefill.add(n, n * n, slow.steps_of(n), 0.003 * n)
 
 
 NONE = lambda ep: 0  # noqa: E731 - nothing held anywhere
@@ -427,10 +436,7 @@ def test_a_split_wins_on_ttft_where_the_decoders_prefill_slowly() -> None:
     model, planner, clock = setup()
     (d,) = engines("d")
     (p,) = engines("p")
-    slow = costs(model, d)
-    for n in (500, 1000, 2000, 3000):
-        for _ in range(20):
-            slow.prefill.add(n, n * n, slow.steps_of(n), 0.003 * n)
+    prefills_slowly(model, d)
     choice = planner.choose(2000, NONE, [d], [p], 50, clock())
     assert choice is not None and (choice.option.prefiller, choice.option.decoder) == (p, d)
     assert choice.reason == "split_faster"
@@ -479,6 +485,24 @@ def test_pairs_keep_one_revision_and_never_an_engine_with_itself() -> None:
     (u,) = engines("u", revision=None)
     c2 = planner.choose(2000, NONE, [u], [u, b], 100, clock())
     assert c2 is not None and c2.option.prefiller is None
+
+
+def test_a_pair_quarantined_for_failed_handoffs_is_not_an_option() -> None:
+    """The split that wins (test_a_split_wins_on_ttft_where_the_decoders_prefill_slowly) is
+    not taken while its pair is quarantined (pd_router.pairs): the prompt goes whole."""
+    pairs = HandoffPairs(Health(passive_failure_threshold=1))
+    model = CostModel(SLO, Clock())
+    planner = Planner(model, pairs)
+    (d,) = engines("d")
+    (p,) = engines("p")
+    prefills_slowly(model, d)
+    pairs.failed(p, d, "5xx")
+    c = planner.choose(2000, NONE, [d], [p], 50, model.clock())
+    assert c is not None and c.option.prefiller is None
+    # negative control: the pair's hand-off succeeds again, and the split is back
+    pairs.ok(p, d)
+    c2 = planner.choose(2000, NONE, [d], [p], 50, model.clock())
+    assert c2 is not None and (c2.option.prefiller, c2.reason) == (p, "split_faster")
 
 
 def test_what_an_engine_holds_counts_for_it_alone() -> None:

@@ -1,0 +1,150 @@
+"""Hand-off health per (prefiller, decoder) pair, apart from each engine's serving health.
+
+A NIXL hand-off that the decoder answered with a failure (vLLM fails a request whose KV load
+failed: a 500, or a stream that ends before its first token) says that this pair cannot hand
+off now: the prefiller's side channel is out of the decoder's reach, the prefiller restarted
+under a new engine id, a NIC is down. It does not say that either engine cannot serve. Counted
+against the prefiller's serving health, as before, it ejected engines of the flexible layout
+from serving, and a decoder that could pull from nobody stayed in every pair. So, per pair:
+
+- **quarantine**: ``health.passiveFailureThreshold`` failed hand-offs in a row take the pair
+  out of hand-offs for ``health.ejectionSeconds``, doubled with each further failure, up to
+  ``maxEjectionSeconds`` (the engines' ejection figures). The decision and the pairing skip it.
+  Where no other pair is left, long prompts are served whole (fallback ``handoff_failing``).
+  The first hand-off after that is the probe, and one that succeeds ends the run of failures.
+- **abandon what waits**: hand-offs still waiting on the pair (no answer begun) are abandoned
+  when one fails, and the router serves them whole at once. Measured on vLLM 0.31's CPU build
+  with the side channel blocked (tests/real_engine/test_real_faults.py): the hand-offs waiting
+  on one decoder failed one at a time, 5 s apart (the handshake's ZMQ ``RCVTIMEO`` 5000,
+  ``nixl/base_worker.py:1065``, one handshake thread), so the third waited 15 s.
+
+A pair is keyed by both engines' address and generation (``Endpoint.generation``, bumped each
+time an engine is admitted again), so an engine that comes back pairs afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from pd_router.config import Health
+
+if TYPE_CHECKING:
+    from pd_router.discovery import Endpoint
+
+log = logging.getLogger("pd_router.pairs")
+
+Key = tuple[str, int, str, int]
+
+
+def key(prefiller: Endpoint, decoder: Endpoint) -> Key:
+    return (prefiller.base, prefiller.generation, decoder.base, decoder.generation)
+
+
+class Waiting:
+    """A hand-off's decode leg that waits for its answer to begin; :meth:`HandoffPairs.failed`
+    abandons it (its scope times out now)."""
+
+    __slots__ = ("abandoned", "scope")
+
+    def __init__(self, scope: asyncio.Timeout) -> None:
+        self.scope = scope
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self.scope.reschedule(asyncio.get_running_loop().time())
+
+
+class _Run:
+    __slots__ = ("failures", "until")
+
+    def __init__(self) -> None:
+        self.failures = 0  # failed hand-offs in a row
+        self.until = 0.0  # monotonic time before which the pair takes no hand-off
+
+
+class HandoffPairs:
+    def __init__(self, health: Health) -> None:
+        self.health = health
+        self._runs: dict[Key, _Run] = {}  # pairs whose last hand-off failed
+        self._waiting: dict[Key, set[Waiting]] = {}
+
+    def usable(self, prefiller: Endpoint, decoder: Endpoint) -> bool:
+        """Whether the pair may take a hand-off now (not quarantined)."""
+        if not self._runs:
+            return True
+        run = self._runs.get(key(prefiller, decoder))
+        return run is None or time.monotonic() >= run.until
+
+    @property
+    def any_out(self) -> bool:
+        """Whether some pair has failed and not succeeded since (a fast path's test: without
+        it no pair is out)."""
+        return bool(self._runs)
+
+    @contextmanager
+    def waiting(self, prefiller: Endpoint, decoder: Endpoint) -> Iterator[Waiting]:
+        """Register a hand-off's decode leg while it waits for its answer to begin: run it
+        inside ``async with w.scope``; a ``TimeoutError`` with ``w.abandoned`` set means it was
+        abandoned."""
+        k = key(prefiller, decoder)
+        w = Waiting(asyncio.timeout(None))
+        waiting = self._waiting.setdefault(k, set())
+        waiting.add(w)
+        try:
+            yield w
+        finally:
+            waiting.discard(w)
+            if not waiting and self._waiting.get(k) is waiting:
+                del self._waiting[k]
+
+    def ok(self, prefiller: Endpoint, decoder: Endpoint) -> None:
+        """A hand-off on the pair succeeded (the decoder read the KV): its run of failures ends."""
+        if self._runs and self._runs.pop(key(prefiller, decoder), None) is not None:
+            log.info("hand-offs from %s to %s succeed again", prefiller.base, decoder.base)
+
+    def failed(self, prefiller: Endpoint, decoder: Endpoint, why: str, rid: str = "") -> int:
+        """A hand-off on the pair failed: quarantine it, abandon the others waiting on it.
+        Returns how many were abandoned."""
+        k = key(prefiller, decoder)
+        now = time.monotonic()
+        self._forget_stale(now)
+        run = self._runs.get(k)
+        if run is None:
+            run = self._runs[k] = _Run()
+        h = self.health
+        run.failures += 1
+        beyond = run.failures - h.passive_failure_threshold
+        out = 0.0
+        if beyond >= 0:
+            out = min(h.max_ejection_seconds, h.ejection_seconds * 2**beyond)
+            run.until = now + out
+        abandoned = [w for w in self._waiting.get(k, ()) if not w.abandoned]
+        for w in abandoned:
+            w.abandon()
+        log.warning(
+            "hand-off from prefiller %s to decoder %s failed (%s, %d in a row): the pair takes "
+            "no hand-off for %.0f s; %d waiting on it served whole",
+            prefiller.base,
+            decoder.base,
+            why,
+            run.failures,
+            out,
+            len(abandoned),
+            extra={"request_id": rid} if rid else None,
+        )
+        return len(abandoned)
+
+    def _forget_stale(self, now: float) -> None:
+        """Drop runs quarantined out long ago (an engine gone, or back under a new
+        generation): they would only grow the table."""
+        if len(self._runs) < 64:
+            return
+        old = now - self.health.max_ejection_seconds
+        for k in [k for k, r in self._runs.items() if r.until < old]:
+            del self._runs[k]
