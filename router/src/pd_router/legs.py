@@ -360,8 +360,9 @@ class Legs:
         A try the decoder answered with a failure (a 5xx, or a stream with no token: how vLLM
         fails a request whose KV load failed, though the router cannot tell that 500 from
         another) is the pair's failure, not the decoder's, which is up and serves the retry:
-        the pair is quarantined, and the hand-offs still waiting on it are abandoned and served
-        whole (``abandoned``, counted against nobody). Raises its :class:`LegError`."""
+        the pair counts it toward its quarantine, and the streamed hand-offs still waiting on
+        it for a first token are abandoned and served whole (``abandoned``, counted against
+        nobody). Raises its :class:`LegError`."""
         span = leg_span(ctx, "decode", ep, path)
         kv = tries.handoff
         source = kv_source if kv else None
@@ -370,7 +371,7 @@ class Legs:
             if tries.retry_data is not None:  # NIXL: the leg names the prefiller's KV blocks
                 span.attrs["pd.kv_transfer_params"] = kv
         try:
-            if source is None:
+            if source is None or not stream:
                 resp = await self._try_decoder(
                     ctx, ep, path, tries.data, stream, idle, named and kv, span, kv
                 )
@@ -425,8 +426,9 @@ class Legs:
         named: bool,
         span: Span | None,
     ) -> Response:
-        """:meth:`_try_decoder` for a hand-off from ``source``, abandoned (``LegError``
-        ``abandoned``) if another hand-off on the pair fails before its answer begins."""
+        """:meth:`_try_decoder` for a streamed hand-off from ``source``, abandoned
+        (``LegError`` ``abandoned``) if another hand-off on the pair fails before its first
+        token."""
         with self.pairs.waiting(source, ep) as w:
             try:
                 async with w.scope:

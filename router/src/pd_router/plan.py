@@ -357,8 +357,10 @@ class Planner:
         dec.sort(key=lambda t: (t[0], t[1]))
         best: Option | None = None
         pairs = self.pairs if self.pairs is not None and self.pairs.any_out else None
-        for harm, pf, x, slow in pre[:PAIR_CANDIDATES]:
-            for itl_miss, wait, step, y, streams in dec[:PAIR_CANDIDATES]:
+        # (with pairs out, every engine: the best few might be only pairs that are out)
+        n = len(pre) + len(dec) if pairs is not None else PAIR_CANDIDATES
+        for harm, pf, x, slow in pre[:n]:
+            for itl_miss, wait, step, y, streams in dec[:n]:
                 if y is x or y.pairing != x.pairing:
                     continue
                 if pairs is not None and not pairs.usable(x, y):

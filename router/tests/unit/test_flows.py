@@ -216,31 +216,36 @@ def test_nixl_retries_a_stream_that_ends_with_no_token_without_the_handoff() -> 
 
 
 def test_a_failed_handoff_quarantines_its_pair_and_serves_what_waits_on_it_whole() -> None:
-    """Two hand-offs from one prefiller wait on one decoder (vLLM: each its own 5 s handshake
-    with a side channel nobody answers on); the second fails (500). The first is abandoned at
-    once rather than waiting its turn, and both are served whole; neither engine is counted
-    failed (the pair is: pd_router.pairs), and the next long prompt is served whole without a
-    prefill (``handoff_failing``) while the pair is out (passiveFailureThreshold 1)."""
+    """Two streamed hand-offs from one prefiller wait on one decoder (vLLM: each its own 5 s
+    handshake with a side channel nobody answers on); the second fails (500). The first is
+    abandoned at once rather than waiting its turn, and both are served whole; neither engine is
+    counted failed (the pair is: pd_router.pairs), and the next long prompt is served whole
+    without a prefill (``handoff_failing``) while the pair is out (passiveFailureThreshold 1)."""
     w = World(decode=(D1,))
     w.legs.pairs.health = Health(passive_failure_threshold=1)
-    path = "/v1/completions"
+    path = "/v1/chat/completions"
     for _ in range(2):
         w.up.on(P1, path, FakeResponse(200, completion("a", kv_transfer_params=KVP)))
     held = Held()
     w.up.on(D1, path, held, FakeResponse(500, b"{}"))
-    w.up.on(D1, path, *(FakeResponse(200, completion("whole")) for _ in range(3)))
+    for _ in range(3):
+        answer = FakeResponse(200, chunks=[ROLE, TOKEN, DONE], ctype="text/event-stream")
+        w.up.on(D1, path, answer)
     route = nixl(w)
     downs = [FakeDownstream() for _ in range(3)]
 
+    def asked(n: int) -> Ctx:
+        return ctx({"messages": [{"role": "user", "content": f"long {n}"}], "stream": True}, True)
+
     async def main() -> None:
-        first = asyncio.create_task(route.serve(ctx({"prompt": "long 1"}), downs[0]))
+        first = asyncio.create_task(route.serve(asked(1), downs[0]))
         await held.reached.wait()  # its decode leg waits on the decoder
-        await route.serve(ctx({"prompt": "long 2"}), downs[1])
+        await route.serve(asked(2), downs[1])
         await asyncio.wait_for(first, 5)  # (waited forever, were it not abandoned)
-        await route.serve(ctx({"prompt": "long 3"}), downs[2])
+        await route.serve(asked(3), downs[2])
 
     run(main())
-    assert [d.status for d in downs] == [200] * 3
+    assert [d.events for d in downs] == [[ROLE, TOKEN, DONE]] * 3
     assert [d.headers["x-pd-reason"] for d in downs] == ["decode_retry"] * 2 + ["handoff_failing"]
     decodes = [b for port, b in w.up.calls_to(path) if port == D1]
     assert ["kv_transfer_params" in b for b in decodes] == [True, True, False, False, False]

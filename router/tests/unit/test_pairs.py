@@ -129,3 +129,36 @@ def test_the_pairing_skips_a_quarantined_pair_and_finds_none_when_every_pair_is(
     assert balancing.pair([d], [p, q], usable=hp.usable) is None
     # negative control: without the pairs' health the pair is there
     assert balancing.pair([d], [p], usable=None) == (d, p)
+
+
+def test_failures_while_the_pair_is_out_add_nothing_and_it_comes_back_in(clock: Clock) -> None:
+    """Hand-offs sent before the pair went out fail after it did (vLLM's 5 s handshake each):
+    they neither lengthen the quarantine nor count toward the next, as an ejected engine's
+    failures do not (discovery.report_failure)."""
+    hp = HandoffPairs(Health(passive_failure_threshold=1, ejection_seconds=10))
+    p, d = engines("p", "d")
+    hp.failed(p, d, "5xx")
+    for _ in range(4):
+        clock.t += 1
+        hp.failed(p, d, "5xx")
+    clock.t += 6.1  # 10 s after the first failure
+    assert hp.usable(p, d) and not hp.any_out
+    hp.failed(p, d, "5xx")  # the second failure counted: 20 s
+    clock.t += 19.9
+    assert not hp.usable(p, d) and hp.any_out
+    # negative control: had each failure counted, it would be out for 160 s more
+
+
+def test_only_runs_long_over_are_forgotten(clock: Clock) -> None:
+    """Past 64 runs the table drops those of pairs that have not failed for maxEjectionSeconds
+    and are not out, never a run still counting toward its threshold."""
+    hp = HandoffPairs(Health(passive_failure_threshold=2, max_ejection_seconds=300))
+    p, d = engines("p", "d")
+    for i in range(70):  # old runs of pairs long gone
+        (q,) = engines(f"q{i}")
+        hp.failed(q, d, "5xx")
+    clock.t += 301
+    hp.failed(p, d, "5xx")  # one in a row: the old runs go, not this one
+    assert len(hp._runs) == 1
+    hp.failed(p, d, "5xx")
+    assert not hp.usable(p, d)

@@ -752,3 +752,22 @@ def test_the_stall_a_prefill_adds_is_learnt_from_the_gap_that_ended_with_it() ->
     assert _stall_run(0.0).stall_per_token() == pytest.approx(0.05 / 200, rel=0.2)
     # negative control: gaps that end far from any first token teach nothing
     assert _stall_run(0.3).stall_xx == 0  # no sample: the prefill fit's slope stands in
+
+
+def test_with_pairs_out_every_engine_is_weighed_not_only_the_best_few() -> None:
+    """Four alike prefillers ahead of a fifth: with each of the four's pair with the decoder out
+    (pd_router.pairs), the split the decoder's slow prefill calls for goes to the fifth, not
+    whole for want of a pair among the best ``PAIR_CANDIDATES``."""
+    pairs = HandoffPairs(Health(passive_failure_threshold=1))
+    model = CostModel(SLO, Clock())
+    planner = Planner(model, pairs)
+    (d,) = engines("d")
+    pre = engines("p1", "p2", "p3", "p4", "p5")
+    prefills_slowly(model, d)
+    for p in pre[:4]:
+        pairs.failed(p, d, "5xx")
+    c = planner.choose(2000, NONE, [d], pre, 50, model.clock())
+    assert c is not None and c.option.prefiller is pre[4]
+    # negative control: with no pair out the first of the alike prefillers is taken
+    c2 = Planner(model).choose(2000, NONE, [d], pre, 50, model.clock())
+    assert c2 is not None and c2.option.prefiller is pre[0]
