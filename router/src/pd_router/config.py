@@ -259,6 +259,12 @@ class Health:
     # (pd_router.weights): one 1-token completion per admission.
     weights_check: bool = True
 
+    def ejection_for(self, nth: int) -> float:
+        """Seconds out at the ``nth`` ejection in a row (1: the first): ``ejectionSeconds``
+        doubled each time, up to ``maxEjectionSeconds`` (engines: pd_router.discovery; hand-off
+        pairs: pd_router.pairs)."""
+        return min(self.max_ejection_seconds, self.ejection_seconds * 2 ** (nth - 1))
+
 
 @dataclass(frozen=True)
 class Limits:

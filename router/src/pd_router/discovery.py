@@ -157,7 +157,7 @@ class EndpointPool:
         ep.healthy = False
         ep.consec_ok = 0
         ep.ejections += 1
-        out = min(h.max_ejection_seconds, h.ejection_seconds * 2 ** (ep.ejections - 1))
+        out = h.ejection_for(ep.ejections)
         ep.ejected_until = time.monotonic() + out
         ep.learnt = False  # it may come back restarted
         log.warning(

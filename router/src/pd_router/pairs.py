@@ -131,44 +131,30 @@ class HandoffPairs:
         run = self._runs.get(k)
         if run is None:
             run = self._runs[k] = _Run()
-        h = self.health
         run.last = now
-        out = 0.0
+        outcome = "the pair is out already"
         if now >= run.until:
             run.failures += 1
-            beyond = run.failures - h.passive_failure_threshold
-            if beyond >= 0:
-                out = min(h.max_ejection_seconds, h.ejection_seconds * 2**beyond)
+            nth = run.failures - self.health.passive_failure_threshold + 1
+            outcome = f"{run.failures} in a row"
+            if nth >= 1:
+                out = self.health.ejection_for(nth)
                 run.until = now + out
                 self._out_until = max(self._out_until, run.until)
+                outcome += f": the pair takes no hand-off for {out:.0f} s"
         abandoned = [w for w in self._waiting.get(k, ()) if not w.abandoned]
         for w in abandoned:
             w.abandon()
-        extra = {"request_id": rid} if rid else None
-        if out:
-            log.warning(
-                "hand-off from prefiller %s to decoder %s failed (%s, %d in a row): the pair "
-                "takes no hand-off for %.0f s; %d waiting on it served whole",
-                prefiller.base,
-                decoder.base,
-                why,
-                run.failures,
-                out,
-                len(abandoned),
-                extra=extra,
-            )
-        else:
-            log.warning(
-                "hand-off from prefiller %s to decoder %s failed (%s, %d in a row, out at %d); "
-                "%d waiting on it served whole",
-                prefiller.base,
-                decoder.base,
-                why,
-                run.failures,
-                h.passive_failure_threshold,
-                len(abandoned),
-                extra=extra,
-            )
+        log.warning(
+            "hand-off from prefiller %s to decoder %s failed (%s), %s; %d waiting on it served "
+            "whole",
+            prefiller.base,
+            decoder.base,
+            why,
+            outcome,
+            len(abandoned),
+            extra={"request_id": rid} if rid else None,
+        )
         return len(abandoned)
 
     def _forget_stale(self, now: float) -> None:
