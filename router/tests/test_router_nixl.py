@@ -35,10 +35,10 @@ from router_testlib import (
 
 
 class Nixl:
-    def __init__(self, stack: Stack) -> None:
+    def __init__(self, stack: Stack, name: str = "nx") -> None:
         self.stack = stack
-        self.prefill = stack.sim("nx-prefill", "--kv-connector", "nixl")
-        self.decoders = [stack.sim(f"nx-decode{i}", "--kv-connector", "nixl") for i in range(2)]
+        self.prefill = stack.sim(f"{name}-prefill", "--kv-connector", "nixl")
+        self.decoders = [stack.sim(f"{name}-decode{i}", "--kv-connector", "nixl") for i in range(2)]
 
     def router(
         self,
@@ -403,21 +403,33 @@ def _engine_sum(engines: list[Proc], name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def patient(nx: Nixl) -> Proc:
-    """A router whose timeouts never fire during a test."""
-    return nx.router(
+def alone(stack: Stack) -> tuple[Nixl, Proc]:
+    """Engines that one router alone watches, a router whose timeouts never fire during a test.
+    Their own engines, because the tests here count the requests hanging on an engine: a router
+    that re-admits an engine (after one failed health check, as another test's fault causes)
+    sends it the weights probe, which would hang there too and be counted."""
+    n = Nixl(stack, "nx-alone")
+    r = n.router(
         "nx-router-patient",
         {"timeouts": {"prefillSeconds": 120, "firstByteSeconds": 120, "streamIdleSeconds": 120}},
     )
+    return n, r
+
+
+@pytest.fixture
+def patient(alone: tuple[Nixl, Proc]) -> Iterator[tuple[Nixl, Proc]]:
+    yield alone
+    for e in (alone[0].prefill, *alone[0].decoders):
+        set_fault(e, "none")
 
 
 @pytest.mark.parametrize("leg", ["decode_direct", "prefill"])
 def test_client_disconnect_before_first_byte_aborts_upstream(
-    nx: Nixl, patient: Proc, leg: str
+    patient: tuple[Nixl, Proc], leg: str
 ) -> None:
     """A non-streaming client leaves while the engine is still working (direct route: the
     decoder; disaggregated route: the prefiller): the router closes that upstream request."""
-    r = patient
+    nx, r = patient
     engines = [nx.prefill] if leg == "prefill" else nx.decoders
     for e in engines:
         set_fault(e, "hang")

@@ -162,14 +162,14 @@ def model_beliefs(url: str) -> dict[str, float]:
     return out
 
 
-def words_per_token(backend: Backend) -> float:
-    """Words of the workload's vocabulary per token, from an engine's own /tokenize."""
+def words_per_token(url: str, model: str) -> float:
+    """Words of the workload's vocabulary per token, from the engine's own /tokenize."""
     import random
 
     text = workload.text(random.Random(0), 1000, 1.0)
     req = urllib.request.Request(
-        backend.engines[0] + "/tokenize",
-        json.dumps({"model": backend.model, "prompt": text}).encode(),
+        url + "/tokenize",
+        json.dumps({"model": model, "prompt": text}).encode(),
         {"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -177,7 +177,7 @@ def words_per_token(backend: Backend) -> float:
     return 1000 / count
 
 
-def interference(backend: Backend, wpt: float) -> float:
+def interference(urls: list[str], model: str, wpt: float) -> float:
     """How much slower the first engine decodes while the others are busy too: the median gap
     of 8 streams on it alone, then with 8 streams on every engine at once (1: engines that do
     not share anything; the real tier's two share a 2-vCPU machine)."""
@@ -189,7 +189,7 @@ def interference(backend: Backend, wpt: float) -> float:
         out = []
         for _ in range(8):
             body = {
-                "model": backend.model,
+                "model": model,
                 "prompt": workload.text(rng, 60, wpt),
                 "max_tokens": 96,
                 "temperature": 0,
@@ -205,9 +205,9 @@ def interference(backend: Backend, wpt: float) -> float:
         first = runs[0]
         return [g for r in first for g in r.gaps[4:]]
 
-    first = backend.engines[0]
+    first = urls[0]
     alone = statistics.median(asyncio.run(gaps({first: streams(first)})))
-    together = statistics.median(asyncio.run(gaps({u: streams(u) for u in backend.engines})))
+    together = statistics.median(asyncio.run(gaps({u: streams(u) for u in urls})))
     return together / alone
 
 
@@ -295,8 +295,8 @@ class Sweep:
     def run(self) -> dict[str, Any]:
         b, o = self.b, self.o
         t_start = time.time()
-        self.wpt = words_per_token(b)
-        self.interference = interference(b, self.wpt)
+        self.wpt = words_per_token(b.engines[0], b.model)
+        self.interference = interference(b.engines, b.model, self.wpt)
         self.log(
             f"{b.name}: an engine decodes {self.interference:.2f} x slower while the others "
             "are busy"
