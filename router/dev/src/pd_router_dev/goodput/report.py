@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pd_router_dev.goodput import slo, workload
+
 SETUPS = ("colocated", "split", "goodput")
 TARGET_FLOOR = 0.95  # every cell: new >= 0.95 x the better of colocated and split
 TARGET_WIN = 1.05  # at least a fifth of the cells: new >= 1.05 x
@@ -36,8 +38,10 @@ def table(result: dict[str, Any]) -> str:
         "",
         result["describe"],
         "",
-        f"SLOs (3 x the engines' unloaded TTFT and 5 x their unloaded gap between tokens, "
-        "measured at the start of the run: pd_router_dev/goodput/slo.py): "
+        f"SLOs ({slo.TTFT_SCALE:g} x the engines' unloaded TTFT and {slo.ITL_SCALE:g} x their "
+        f"unloaded gap between tokens, at least {slo.SHORT_STEP_SCALE:g} x their step carrying "
+        f"a {workload.LONGEST_SHORT}-token prefill, measured at the start of the run: "
+        "pd_router_dev/goodput/slo.py): "
         f"{result['slo_text']}. Colocated capacity (closed loop): "
         + ", ".join(f"{k} {v:.2f} req/s" for k, v in result["capacity"].items())
         + (

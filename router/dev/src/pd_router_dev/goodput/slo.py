@@ -5,9 +5,15 @@ unloaded figure (DistServe sets its SLOs the same way, as a multiple of one requ
 alone): 3 x for TTFT, 5 x for ITL, about what chat services ask of GPUs (a first token within
 a second or two, tokens 50-100 ms apart, against 10-20 ms unloaded). The ITL multiple is the
 larger because a step that carries a short prompt's prefill is slower than a decode step alone
-and should not count as a stall (on the CPU build a 200-token prefill takes 3-4 decode steps; on
-an H100 less than one): what the ITL bound must catch is a long prompt's prefill stalling the
-streams of its engine. A request is good when it was answered whole, its TTFT is within
+and should not count as a stall: what the ITL bound must catch is a long prompt's prefill
+stalling the streams of its engine. So the ITL bound is also at least ``SHORT_STEP_SCALE`` x the
+unloaded step that carries the longest short prompt of the mixes (a gap plus its prefill, from
+the TTFT line's slope). On an H100 a 300-token prefill takes less than a decode step and 5 x
+rules; on the CPU build it takes 7-13 decode steps, and how many depends on the machine: run R
+(2026-12-06) measured a 10.4 ms gap, a later machine 5.8 ms with the same prefill speed, and
+there 5 x (29 ms) made every short prompt's prefill a stall for the streams beside it (colocated,
+fixed split and the goodput decision all met both SLOs for under a tenth of mixed traffic at
+0.9). A request is good when it was answered whole, its TTFT is within
 ``ttft + ttft_per_token x prompt tokens`` and its ITL p95 within ``itl``; goodput is good
 requests per second of arrivals (DistServe's definition)."""
 
@@ -21,6 +27,7 @@ from pd_router_dev.goodput.client import Record
 
 TTFT_SCALE = 3.0  # TTFT SLO = 3 x the unloaded TTFT
 ITL_SCALE = 5.0  # ITL SLO = 5 x the unloaded gap between tokens
+SHORT_STEP_SCALE = 1.25  # ... and at least 1.25 x the unloaded step carrying a short prompt
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,11 @@ class Slo:
     itl: float
 
     @staticmethod
-    def of(u: Unloaded) -> Slo:
-        return Slo(u.ttft * TTFT_SCALE, u.ttft_per_token * TTFT_SCALE, u.itl * ITL_SCALE)
+    def of(u: Unloaded, short_prompt: int) -> Slo:
+        """The SLOs of engines measured as ``u``, for traffic whose short prompts have at most
+        ``short_prompt`` tokens."""
+        itl = max(u.itl * ITL_SCALE, SHORT_STEP_SCALE * (u.itl + u.ttft_per_token * short_prompt))
+        return Slo(u.ttft * TTFT_SCALE, u.ttft_per_token * TTFT_SCALE, itl)
 
     def ttft_bound(self, prompt_tokens: int) -> float:
         return self.ttft + self.ttft_per_token * prompt_tokens

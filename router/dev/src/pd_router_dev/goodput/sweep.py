@@ -306,7 +306,7 @@ class Sweep:
             self.unloaded = calibrate(cal.url(), b.model, self.wpt, o.seed)
         finally:
             cal.stop()
-        self.slo = Slo.of(self.unloaded)
+        self.slo = Slo.of(self.unloaded, workload.LONGEST_SHORT)
         self.log(
             f"{b.name}: unloaded TTFT {self.unloaded.ttft * 1000:.1f} ms + "
             f"{self.unloaded.ttft_per_token * 1e6:.2f} ms/1k tokens, "

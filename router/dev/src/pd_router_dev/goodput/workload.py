@@ -76,6 +76,7 @@ SHORT = Mix("short", 0.0)
 MIXED = Mix("mixed-20%-long", 0.2)
 LONG = Mix("long-heavy-60%", 0.6)
 MIXES = (SHORT, MIXED, LONG)
+LONGEST_SHORT = max(m.short_tokens[1] for m in MIXES)  # tokens (slo.Slo.of)
 
 
 def unshared(req: Request, tag: str) -> Request:
