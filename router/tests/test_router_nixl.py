@@ -407,11 +407,16 @@ def alone(stack: Stack) -> tuple[Nixl, Proc]:
     """Engines that one router alone watches, a router whose timeouts never fire during a test.
     Their own engines, because the tests here count the requests hanging on an engine: a router
     that re-admits an engine (after one failed health check, as another test's fault causes)
-    sends it the weights probe, which would hang there too and be counted."""
+    sends it the weights probe, which would hang there too and be counted. For the same reason
+    this router does not probe weights: one health check timing out on a busy machine would
+    have it re-admit an engine."""
     n = Nixl(stack, "nx-alone")
     r = n.router(
         "nx-router-patient",
-        {"timeouts": {"prefillSeconds": 120, "firstByteSeconds": 120, "streamIdleSeconds": 120}},
+        {
+            "timeouts": {"prefillSeconds": 120, "firstByteSeconds": 120, "streamIdleSeconds": 120},
+            "health": {"weightsCheck": False},
+        },
     )
     return n, r
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_router_dev.goodput.slo import ITL_SCALE, SHORT_STEP_SCALE, Slo, Unloaded
+from pd_router_dev.goodput.slo import ITL_SCALE, SHORT_STEP_SCALE, TTFT_SCALE, Slo, Unloaded
 
 
 def test_the_itl_bound_is_five_gaps_or_a_step_carrying_a_short_prompt_if_longer() -> None:
@@ -18,4 +18,4 @@ def test_the_itl_bound_is_five_gaps_or_a_step_carrying_a_short_prompt_if_longer(
     gpu = Unloaded(0.02, 0.00002, 0.012)
     assert Slo.of(gpu, 300).itl == pytest.approx(ITL_SCALE * 0.012)
     # the TTFT bounds are 3 x the line, whatever the prompts
-    assert Slo.of(r, 300).ttft == Slo.of(r, 100).ttft == pytest.approx(3 * 0.022)
+    assert Slo.of(r, 300).ttft == Slo.of(r, 100).ttft == pytest.approx(TTFT_SCALE * 0.022)

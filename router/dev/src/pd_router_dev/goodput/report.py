@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pd_router_dev.goodput import slo, workload
+from pd_router_dev.goodput import slo
 
 SETUPS = ("colocated", "split", "goodput")
 TARGET_FLOOR = 0.95  # every cell: new >= 0.95 x the better of colocated and split
@@ -38,9 +38,7 @@ def table(result: dict[str, Any]) -> str:
         "",
         result["describe"],
         "",
-        f"SLOs ({slo.TTFT_SCALE:g} x the engines' unloaded TTFT and {slo.ITL_SCALE:g} x their "
-        f"unloaded gap between tokens, at least {slo.SHORT_STEP_SCALE:g} x their step carrying "
-        f"a {workload.LONGEST_SHORT}-token prefill, measured at the start of the run: "
+        f"SLOs ({result.get('slo_rule', slo.RULE_BEFORE)}, measured at the start of the run: "
         "pd_router_dev/goodput/slo.py): "
         f"{result['slo_text']}. Colocated capacity (closed loop): "
         + ", ".join(f"{k} {v:.2f} req/s" for k, v in result["capacity"].items())

@@ -126,7 +126,7 @@ def router_configs(
     c["pools"] = {"layout": "flexible", "decode": {"discovery": "static", "static": engines}}
     seed = {
         "chunkTokens": getattr(backend, "chunk_tokens", 0),  # the engines' budget a step
-        "crowding": round(max(0.0, interference - 1.0), 2),
+        "crowding": crowding(interference),
     }
     c["routing"].update(decision="goodput", goodput={**s.router(), "seed": seed})
     out["goodput"] = c
@@ -209,6 +209,12 @@ def interference(urls: list[str], model: str, wpt: float) -> float:
     alone = statistics.median(asyncio.run(gaps({first: streams(first)})))
     together = statistics.median(asyncio.run(gaps({u: streams(u) for u in urls})))
     return together / alone
+
+
+def crowding(interference: float) -> float:
+    """The goodput decision's ``seed.crowding`` for engines measured by :func:`interference`:
+    how much slower one decodes while the others work."""
+    return round(max(0.0, interference - 1.0), 2)
 
 
 def calibrate(url: str, model: str, wpt: float, seed: int) -> Unloaded:
@@ -497,6 +503,7 @@ class Sweep:
             "unloaded": self.unloaded.__dict__,
             "slo": self.slo.asdict(),
             "slo_text": self.slo.describe(),
+            "slo_rule": slo.RULE,
             "capacity": self.capacity,
             "cells": [c.__dict__ for c in self.cells],
             "prediction_error_p50": statistics.median(errs) if errs else None,
