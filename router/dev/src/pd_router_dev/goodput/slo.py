@@ -29,14 +29,13 @@ TTFT_SCALE = 3.0  # TTFT SLO = 3 x the unloaded TTFT
 ITL_SCALE = 5.0  # ITL SLO = 5 x the unloaded gap between tokens
 SHORT_STEP_SCALE = 1.25  # ... and at least 1.25 x the unloaded step carrying a short prompt
 # how a run's SLOs were set, kept in its result (report.py prints it; runs before it had no floor)
-RULE = (
-    f"{TTFT_SCALE:g} x the engines' unloaded TTFT and {ITL_SCALE:g} x their unloaded gap "
-    f"between tokens, at least {SHORT_STEP_SCALE:g} x their step carrying the longest short "
-    "prompt's prefill"
-)
 RULE_BEFORE = (
     f"{TTFT_SCALE:g} x the engines' unloaded TTFT and {ITL_SCALE:g} x their unloaded gap "
     "between tokens"
+)
+RULE = (
+    f"{RULE_BEFORE}, at least {SHORT_STEP_SCALE:g} x their step carrying the longest short "
+    "prompt's prefill"
 )
 
 
