@@ -26,13 +26,14 @@ engines instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -98,11 +99,13 @@ def run(workdir: Path, say: Callable[[str], None] = print) -> bool:
     try:
         t0 = time.monotonic()
         say(f"demo-real: starting vLLM {version}'s CPU build as prefiller (CPU 0) and decoder (CPU 1)")
-        for e in pair:
-            e.start()
+        with _signals_held():
+            for e in pair:
+                e.start()
         engines.wait_ready(pair)
         pre, dec = pair
-        router = routers.start([pre.url], [dec.url])
+        with _signals_held():
+            router = routers.start([pre.url], [dec.url])
         say(
             f"demo-real: engines ready in {time.monotonic() - t0:.0f} s: prefiller {pre.url}, decoder "
             f"{dec.url}; router {router.url()} (the chart's dev render: NixlConnector over UCX, "
@@ -144,6 +147,26 @@ def run(workdir: Path, say: Callable[[str], None] = print) -> bool:
 
 def _raise_exit(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through run()'s finally: every process stopped
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and Ctrl-C held while a process starts, acted on once it is recorded. Raised
+    inside ``subprocess.Popen``, after its fork and before the engine or router holds its
+    handle, they would leave that child running with nothing to stop it (CI, 2026-12-06:
+    test_demo_real_stopped_by_sigterm_stops_its_engines). A router's start holds them for the
+    second or two until it listens; the engines' load, minutes, is not held."""
+    held: list[int] = []
+    kept = {s: signal.signal(s, lambda signum, _f: held.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+    if held:
+        if held[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + held[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ it stops them too. A machine it cannot run on is refused before anything starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -40,6 +41,13 @@ def _left_in(workdir: Path) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
 
 
 def _demo(workdir: Path) -> subprocess.Popen[str]:
@@ -102,7 +110,14 @@ def test_demo_real_stopped_by_sigterm_stops_its_engines(alone: None, tmp_path: P
             p.kill()
             p.wait(30)
     assert p.returncode == 128 + signal.SIGTERM
-    until("every process the demo started exited", lambda: not _left_in(tmp_path), timeout=30)
+    try:
+        until("every process the demo started exited", lambda: not _left_in(tmp_path), timeout=30)
+    except AssertionError as exc:
+        left = {pid: _cmdline(pid) for pid in _left_in(tmp_path)}
+        for pid in left:  # what it left would take the cores from the rest of the tier
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"{exc}: left running {left}") from None
 
 
 def test_a_machine_that_cannot_run_the_cpu_build_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

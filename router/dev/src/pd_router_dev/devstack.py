@@ -108,13 +108,16 @@ def _spawn(
         )
     proc = Proc(name, popen, log, 0)
     deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if popen.poll() is not None:
-            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{proc.log_tail()}")
-        if time.monotonic() > deadline:
-            proc.stop()
-            raise RuntimeError(f"{name} did not start in 60 s:\n{proc.log_tail()}")
-        time.sleep(0.02)
+    try:  # whatever ends the wait (a timeout, Ctrl-C, a test's failure) stops the process first
+        while not port_file.exists():
+            if popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with {popen.returncode}:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start in 60 s:\n{proc.log_tail()}")
+            time.sleep(0.02)
+    except BaseException:
+        proc.stop()
+        raise
     proc.port = int(port_file.read_text())
     return proc
 
