@@ -31,7 +31,12 @@ TOKENIZER_ALLOWANCE = 4  # template allowance for /v1/completions (tokens.templa
 
 
 def base_config() -> dict[str, Any]:
-    return yaml.safe_load(DEMO_CONFIG.read_text())
+    """The demo's config, the weights probe off unless a test turns it on: a router that
+    re-admits an engine after one slow health check probes it with a real completion, which a
+    test counting an engine's requests or faults (engines are shared between routers) would see."""
+    cfg = yaml.safe_load(DEMO_CONFIG.read_text())
+    cfg.setdefault("health", {}).setdefault("weightsCheck", False)
+    return cfg
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -145,6 +145,16 @@ def routers(workdir: Path) -> Iterator[Routers]:
         r.stop()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_routers(routers: Routers) -> Iterator[None]:
+    """A module's routers (and the proxies it adopted) stop at its end. Left running, a router
+    still checks the session's engines, and one that re-admits an engine after a slow check
+    probes its weights with a real completion: engine counters a later test reads would move."""
+    mark = routers.mark()
+    yield
+    routers.stop_since(mark)
+
+
 @pytest.fixture(scope="module")
 def router(pd: dict[str, engines.Engine], routers: Routers) -> Proc:
     """The chart's dev router (NIXL route, threshold 512) in front of the dense pair."""

@@ -87,7 +87,11 @@ def _line(n: int, what: str, a: Answer) -> str:
     )
 
 
-def run(workdir: Path, say: Callable[[str], None] = print) -> bool:
+def _say(line: str) -> None:
+    print(line, flush=True)  # as it happens, through a pipe too (`make demo-real | tee`, the tests)
+
+
+def run(workdir: Path, say: Callable[[str], None] = _say) -> bool:
     """The demo in ``workdir`` (engine and router logs); True when the long answer came
     disaggregated and equal to colocated."""
     version, _ = engines.cpu_build()

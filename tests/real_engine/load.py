@@ -47,6 +47,9 @@ class Load:
         self.asked: list[Asked] = []
         self.at = 0.0  # when the fault came
         self._stop = threading.Event()
+        self._short = threading.Event()  # short prompts only (short_only)
+        self._lock = threading.Lock()
+        self._flying: dict[int, Asked] = {}  # each client's request in flight
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(LOAD_CLIENTS)]
         for t in self._threads:
             t.start()
@@ -58,19 +61,35 @@ class Load:
     def _run(self, client: int) -> None:
         i = 0
         while not self._stop.is_set():
-            long = i % 3 == 0
-            prompt = text(f"{self.tag}-load-{client}-{i}", LONG_WORDS if long else SHORT_WORDS)
-            a = Asked(prompt, long, i % 2 == 1, time.monotonic())
+            with self._lock:
+                long = i % 3 == 0 and not self._short.is_set()
+                prompt = text(f"{self.tag}-load-{client}-{i}", LONG_WORDS if long else SHORT_WORDS)
+                a = self._flying[client] = Asked(prompt, long, i % 2 == 1, time.monotonic())
             try:
                 got = ask(self.url, self.model, True, prompt, a.stream)
                 a.text, a.route, a.reason = got.text, got.route, got.reason
             except Exception as exc:  # recorded: checked by check()
                 a.error = exc
             a.end = time.monotonic()
+            with self._lock:
+                del self._flying[client]
             self.asked.append(a)
             i += 1
             if a.error is not None:
                 self._stop.wait(0.2)  # a client backs off after an error (pacing, not a sync)
+
+    @contextmanager
+    def short_only(self) -> Iterator[None]:
+        """Only short prompts asked meanwhile, and no long one in flight when it begins: a test
+        that waits for the prefiller to answer its own prefill leg then counts its own, not the
+        load's (the prefiller's counters do not say whose leg ended)."""
+        with self._lock:
+            self._short.set()
+        try:
+            until("no long load prompt in flight", lambda: not any(a.long for a in list(self._flying.values())))
+            yield
+        finally:
+            self._short.clear()
 
     def handshakes_before_fault(self) -> int:
         """Load requests disaggregated before the fault (or until now, before it is marked):

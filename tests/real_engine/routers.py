@@ -67,5 +67,15 @@ class Routers:
         }
         return self.stack.router(name, config, {**os.environ, **over})
 
+    def mark(self) -> int:
+        """Where the routers started from now on begin (for :meth:`stop_since`)."""
+        return len(self.stack.procs)
+
+    def stop_since(self, mark: int) -> None:
+        """Stop what was started since ``mark``, newest first."""
+        for p in reversed(self.stack.procs[mark:]):
+            p.stop()
+        del self.stack.procs[mark:]
+
     def stop(self) -> None:
         self.stack.stop()

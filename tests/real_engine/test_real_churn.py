@@ -191,13 +191,14 @@ def test_churn_a_decoder_killed_with_a_hand_off_pending(
     lives on, and a new decoder on the address is paired again."""
     prompt = text("churn-handoff-pending", LONG_WORDS)
     until("a hand-off of the load: a handshake held", lambda: load.handshakes_before_fault() > 0)
-    before = prefills(pd["prefill"])
-    pd["decode"].signal(signal.SIGSTOP)
-    load.fault()
     with ThreadPoolExecutor(1) as pool:
-        asked = pool.submit(ask, router.url(), model_name, True, prompt, False)
-        until("the prefiller answers a prefill leg", lambda: prefills(pd["prefill"]) > before)
-        pd["decode"].signal(signal.SIGKILL)
+        with load.short_only():  # until the kill, the prefiller's one prefill leg is this prompt's
+            before = prefills(pd["prefill"])
+            pd["decode"].signal(signal.SIGSTOP)
+            load.fault()
+            asked = pool.submit(ask, router.url(), model_name, True, prompt, False)
+            until("the prefiller answers its prefill leg", lambda: prefills(pd["prefill"]) > before)
+            pd["decode"].signal(signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(openai.APIError) as caught:
             asked.result(timeout=2 * CLIENT_SECONDS)
@@ -229,16 +230,17 @@ def test_churn_a_prefiller_killed_mid_transfer(
     prompt = tokenized["tokens"]
     base = colocated(dec.url, model_name, False, prompt)
     retries = metric(router, "pd_router_fallbacks_total", reason="decode_retry")
-    before = prefills(pre)
-    dec.signal(signal.SIGSTOP)
     with ThreadPoolExecutor(1) as pool:
-        asked = pool.submit(ask, router.url(), model_name, False, prompt, False)
-        try:
-            until("the prefiller answers the prefill leg", lambda: prefills(pre) > before)
-            pre.signal(signal.SIGKILL)
-            load.fault()
-        finally:
-            dec.signal(signal.SIGCONT)
+        with load.short_only():  # until the kill, the prefiller's one prefill leg is this prompt's
+            before = prefills(pre)
+            dec.signal(signal.SIGSTOP)
+            asked = pool.submit(ask, router.url(), model_name, False, prompt, False)
+            try:
+                until("the prefiller answers the prefill leg", lambda: prefills(pre) > before)
+                pre.signal(signal.SIGKILL)
+                load.fault()
+            finally:
+                dec.signal(signal.SIGCONT)
         got = asked.result(timeout=2 * CLIENT_SECONDS)
     took = time.monotonic() - load.at
     print(f"churn: prefiller killed mid-transfer: the right answer, served whole, {took:.1f} s after the kill")

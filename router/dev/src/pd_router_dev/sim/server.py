@@ -96,6 +96,7 @@ _MASK64 = (1 << 64) - 1
 # Llama-3.3-70B's KV cache per token (2 x 80 layers x 8 KV heads x 128 x 2 bytes), only to
 # give the simulated NIXL transfer a plausible size in vllm:nixl_bytes_transferred
 KV_BYTES_PER_TOKEN = 327680
+REQUESTS_KEPT = 200  # /sim/requests: the last requests' records, for tests
 NUM_LAYERS = 80
 
 
@@ -218,7 +219,7 @@ class SimEngine:
             if kc["enable_kv_cache_events"] and kc["publisher"] == "zmq" and self.prefix_cache:
                 self.kv_events = KvPublisher(kc, BLOCK_SIZE)
                 self.prefix_cache.events = self.kv_events
-        self.requests: deque[dict[str, Any]] = deque(maxlen=200)
+        self.requests: deque[dict[str, Any]] = deque(maxlen=REQUESTS_KEPT)
         self.kv_store: OrderedDict[int, int] = OrderedDict()  # prefix hash -> n tokens
         self.handshaken: set[tuple[str, int]] = set()
         self.zctx: zmq.asyncio.Context | None = None
