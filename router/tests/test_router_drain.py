@@ -129,5 +129,7 @@ def test_no_request_fails_while_a_decoder_is_scaled_down_under_load(tmp_path: Pa
     assert not failed, failed[:5]
     # nothing new sent to it once the router had dropped it: only the decode legs of hand-offs
     # that chose it before (their prefill ran meanwhile), which the preStop wait is there for
-    assert all("kv_transfer_params" in r["body"] for r in late), [r["body"] for r in late]
+    # (each caller has at most one in flight)
+    legs = [r for r in late if "kv_transfer_params" in r["body"]]
+    assert len(legs) == len(late) <= len(callers), [r["body"] for r in late]
     assert len(done) > 25

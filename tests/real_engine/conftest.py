@@ -147,7 +147,7 @@ def routers(workdir: Path) -> Iterator[Routers]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_routers(routers: Routers) -> Iterator[None]:
-    """A module's routers (and the proxies it adopted) stop at its end. Left running, a router
+    """A module's routers stop at its end. Left running, a router
     still checks the session's engines, and one that re-admits an engine after a slow check
     probes its weights with a real completion: engine counters a later test reads would move."""
     mark = routers.mark()

@@ -158,8 +158,9 @@ def _signals_held() -> Iterator[None]:
     """SIGTERM and Ctrl-C held while a process starts, acted on once it is recorded. Raised
     inside ``subprocess.Popen``, after its fork and before the engine or router holds its
     handle, they would leave that child running with nothing to stop it (CI, 2026-12-06:
-    test_demo_real_stopped_by_sigterm_stops_its_engines). A router's start holds them for the
-    second or two until it listens; the engines' load, minutes, is not held."""
+    test_demo_real_stopped_by_sigterm_stops_its_engines). The engines' starts take
+    milliseconds; the router's lasts until it listens (a second or two; 60 s at most, its start's
+    limit). The engines' load, minutes, is not held."""
     held: list[int] = []
     kept = {s: signal.signal(s, lambda signum, _f: held.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -167,10 +168,10 @@ def _signals_held() -> Iterator[None]:
     finally:
         for s, handler in kept.items():
             signal.signal(s, handler)
-    if held:
-        if held[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + held[0])
+        if held:  # even where the start failed: the user asked to stop
+            if held[0] == signal.SIGINT:
+                raise KeyboardInterrupt  # noqa: B012 - the stop asked for wins over the failure
+            raise SystemExit(128 + held[0])  # noqa: B012
 
 
 def main(argv: list[str] | None = None) -> int:

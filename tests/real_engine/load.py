@@ -86,10 +86,14 @@ class Load:
         with self._lock:
             self._short.set()
         try:
-            until("no long load prompt in flight", lambda: not any(a.long for a in list(self._flying.values())))
+            until("no long load prompt in flight", self._no_long_flying)
             yield
         finally:
             self._short.clear()
+
+    def _no_long_flying(self) -> bool:
+        with self._lock:
+            return not any(a.long for a in self._flying.values())
 
     def handshakes_before_fault(self) -> int:
         """Load requests disaggregated before the fault (or until now, before it is marked):

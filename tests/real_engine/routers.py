@@ -4,6 +4,7 @@ real-engine tier's (tests/real_engine/conftest.py) and ``make demo-real``'s
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -73,9 +74,10 @@ class Routers:
 
     def stop_since(self, mark: int) -> None:
         """Stop what was started since ``mark``, newest first."""
-        for p in reversed(self.stack.procs[mark:]):
-            p.stop()
-        del self.stack.procs[mark:]
+        started, self.stack.procs[mark:] = self.stack.procs[mark:], []
+        for p in reversed(started):
+            with contextlib.suppress(Exception):  # one that will not stop does not keep the rest
+                p.stop()
 
     def stop(self) -> None:
         self.stack.stop()

@@ -31,12 +31,13 @@ def alone(pairs: Pairs) -> None:
 
 
 def _left_in(workdir: Path) -> list[int]:
-    """Processes still running in ``workdir`` (the engines' and the router's working folder)."""
+    """Processes still running that the demo started: the engines run in ``workdir`` (their
+    logs' folder), the router names it in its command line (its config and port file)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if Path(os.readlink(d / "cwd")) == workdir:
+                if Path(os.readlink(d / "cwd")) == workdir or str(workdir) in _cmdline(int(d.name)):
                     out.append(int(d.name))
             except OSError:
                 continue

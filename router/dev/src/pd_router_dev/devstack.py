@@ -108,7 +108,7 @@ def _spawn(
         )
     proc = Proc(name, popen, log, 0)
     deadline = time.monotonic() + 60
-    try:  # whatever ends the wait (a timeout, Ctrl-C, a test's failure) stops the process first
+    try:  # whatever ends the wait (its limit, an exit, Ctrl-C, a test's timeout) stops it first
         while not port_file.exists():
             if popen.poll() is not None:
                 raise RuntimeError(f"{name} exited with {popen.returncode}:\n{proc.log_tail()}")
