@@ -24,7 +24,14 @@ Per engine (:class:`EngineCosts`), from the router's own observations of its cal
 
 Pooled over the engines (one model, one kind of hardware): the **hand-off**, seconds from
 sending a decode leg with a prefiller's ``kv_transfer_params`` until its first token, against
-the tokens it pulls: ``seconds = h + t x tokens`` (the KV pull and the first step).
+the tokens it pulls: ``seconds = h + t x tokens`` (the KV pull and the first step); and a
+**prefill** fit over every engine's samples, towards whose per-token costs each engine's own
+is held (``LEAN_WEIGHT``, firm): an engine that has prefilled only short prompts, one step
+each, learns what its steps cost but not what a token does, and prices a long prompt from
+the engines that prefilled long ones.
+
+And the **calls placed on each engine**, per second over the window, by the TTFT slack each
+was placed with (``SLACK_BUCKETS``): what a prefill there holds up (pd_router.plan).
 
 And what each engine carries now, from this router process's requests (:class:`Job`): prompt
 tokens waiting to be prefilled, the prefills' slow steps still to come, and the streams
@@ -57,6 +64,10 @@ PRIOR_HANDOFF_PER_TOKEN = 1e-6
 # (engine/arg_utils.py, 0.31.0; 8192 on H100/H200): routing.goodput.seed.chunkTokens otherwise
 PRIOR_CHUNK_TOKENS = 2048
 PRIOR_WEIGHT = 2.0
+# The calls placed on an engine are counted by their TTFT slack in buckets a factor of 2 apart,
+# the first at a quarter of the TTFT bound's fixed part (ttftSeconds): what they can wait
+SLACK_BUCKETS = 10
+LEAN_WEIGHT = 0.25  # what a prefill fit's per-token prior weighs for good (PrefillFit._scale)
 MEMORY = 64  # samples a fit remembers, about
 FORGET = 1.0 - 1.0 / MEMORY
 # Spread of a predicted step time (standard deviation of log(observed / predicted)): how sure a
@@ -222,9 +233,28 @@ class PrefillFit(Ridge):
     __slots__ = ("a", "b", "c", "q")
 
     def __init__(self, a: float, b: float, step: float) -> None:
-        # features in thousands of tokens (and millions squared): well conditioned
+        # features in thousands of tokens (and millions squared): well conditioned. Held
+        # towards the pooled fit (:meth:`lean_on`), the per-token costs are firm: an engine's
+        # own samples outweigh that prior only where they tell them apart (prompts of many
+        # lengths); towards the seed, they fade like the rest
         super().__init__([a, b * _K, 0.0, step], [0.0, b * _K, 0.0, 0.0])
         self.a, self.b, self.q, self.c = a, b, 0.0, step
+
+    def _scale(self, i: int) -> float:
+        # the per-token costs' firm prior weighs a quarter of a sample of a 1,000-token prompt:
+        # next to nothing beside prompts of many lengths, most of it beside one-step prompts
+        # of a few hundred tokens
+        return LEAN_WEIGHT / PRIOR_WEIGHT if i in _PER_TOKEN else 1.0
+
+    def lean_on(self, pooled: PrefillFit) -> None:
+        """Hold the per-token costs towards ``pooled``'s (every engine's samples: one model,
+        one kind of hardware) rather than the seed: an engine that has prefilled only short
+        prompts cannot tell what a token costs from the step each of them takes, and kept at
+        the seed (0.1 ms a token) the short prompts' engine on the CPU machines predicted a
+        2,153-token prompt at 0.39 s where the engine that prefilled the long ones said 2.0."""
+        self.beta0[1] = max(self.floor[1], pooled.beta[1])
+        self.beta0[2] = max(0.0, pooled.beta[2])
+        self.firm = _PER_TOKEN
 
     def add(self, x: float, x2: float, steps: float, y: float, solve: bool = True) -> None:
         """A prefill of ``x`` tokens in all (``x2`` the sum of each prompt's square) over
@@ -269,6 +299,7 @@ class StepFit(Ridge):
         return max(1e-6, self.s0 * self.s0) if i == 2 else 1.0
 
 
+_PER_TOKEN = frozenset((1, 2))  # PrefillFit's per-token coefficients (k and q)
 _K = 1000.0  # PrefillFit's features in thousands of tokens (and millions of tokens squared)
 _K2 = _K * _K
 
@@ -425,6 +456,8 @@ class EngineCosts:
     """One engine's fits and what it carries (see the module docstring)."""
 
     __slots__ = (
+        "arrival_t",
+        "arrivals",
         "base",
         "chunk",
         "clock",
@@ -475,6 +508,11 @@ class EngineCosts:
         # stretches show its chunks' cost, not where vLLM cut them); seed.chunkTokens sets it
         self.chunk = float(seed.chunk_tokens or PRIOR_CHUNK_TOKENS)
         self.slow = Rate(self.tau)  # slow steps per second the prefills placed here cause
+        # the calls the decisions placed here per second (decayed over the window, as of
+        # arrival_t), by the TTFT slack they were placed with (their bound less their
+        # predicted TTFT; CostModel.slack_bucket): what a prefill here holds up
+        self.arrivals = [0.0] * SLACK_BUCKETS
+        self.arrival_t = 0.0
         self.slow_gap = 0.0  # mean duration of a gap past the bound, observed (0: none yet)
         self.itl_bound = g.itl_seconds
         # prompts sent here and not yet prefilled: their tokens, squares and steps
@@ -515,9 +553,7 @@ class EngineCosts:
         decision weighs an engine several times at one ``now``."""
         if now == self.seen_at and not self.seen_gaps:
             return
-        if self.prefill.pending and now - self.solved_at >= SOLVE_SECONDS:
-            self.prefill.solve()
-            self.solved_at = now
+        self.refresh_prefill(now)
         if self.step.pending and now - self.step_solved_at >= SOLVE_SECONDS:
             self.step.solve()
             self._step_solved(now)
@@ -545,6 +581,37 @@ class EngineCosts:
             j.decoding = True
             self.decoding += 1
         self.next_due = min((j.t_due for j in self.unseen), default=math.inf)
+
+    def arrived(self, slack: float, now: float) -> None:
+        """A call placed here now, its request's TTFT slack ``slack`` seconds. One predicted
+        past its bound already is not counted: a prefill placed ahead of it cannot make it
+        late (counted in the lowest bucket, the doomed short prompts sent to an engine behind
+        long prefills charged the next short prompt there for all of them, 3 misses)."""
+        if slack <= 0.0:
+            return
+        w = self.arrivals
+        if self.arrival_t:
+            d = math.exp(-(now - self.arrival_t) / self.tau)
+            for i in range(SLACK_BUCKETS):
+                w[i] *= d
+        self.arrival_t = now
+        w[self.model.slack_bucket(slack)] += 1.0 / self.tau
+
+    def arrival_rate(self, now: float) -> float:
+        """Calls placed here per second, over the window."""
+        if not self.arrival_t:
+            return 0.0
+        return sum(self.arrivals) * math.exp(-(now - self.arrival_t) / self.tau)
+
+    def refresh_prefill(self, now: float) -> None:
+        """Solve the prefill fit for the samples it has not taken yet, at most every
+        ``SOLVE_SECONDS``, held towards the pooled fit."""
+        if self.prefill.pending and now - self.solved_at >= SOLVE_SECONDS:
+            pooled = self.model.pooled_prefill(now)
+            if pooled is not None:
+                self.prefill.lean_on(pooled)
+            self.prefill.solve()
+            self.solved_at = now
 
     # ------------------------------------------------------------------ predictions
     def prefill_seconds(self, tokens: int) -> float:
@@ -699,9 +766,14 @@ class EngineCosts:
         stream: bool,
         now: float,
         planned: tuple[float, float] | None = None,
+        slack: float | None = None,
     ) -> Job:
         """``planned``: (slow steps, prefill seconds) the decision predicted for this very call
-        (a prefill's are the same figures, found again otherwise)."""
+        (a prefill's are the same figures, found again otherwise). ``slack``: the TTFT slack
+        of the request the call is part of, as its decision predicted it (None: a call no
+        decision placed, not counted as an arrival)."""
+        if slack is not None:
+            self.arrived(slack, now)
         if kind == "decode":
             slow = 0.0
         elif planned is not None:
@@ -749,9 +821,10 @@ class EngineCosts:
         n = job.tokens
         solve = now - self.solved_at >= SOLVE_SECONDS
         y = now - job.t_send - job.step0
-        self.prefill.add(x + n, x2 + n * n, steps + job.steps, y, solve)
+        self.prefill.add(x + n, x2 + n * n, steps + job.steps, y, False)
+        self.model.prefill.add(x + n, x2 + n * n, steps + job.steps, y, False)
         if solve:
-            self.solved_at = now
+            self.refresh_prefill(now)
 
     def first_token(self, job: Job, now: float) -> None:
         if job.kind == "whole":
@@ -847,6 +920,14 @@ class CostModel:
         seed = cfg.seed
         h = seed.handoff_seconds or PRIOR_HANDOFF
         self.handoff = Fit(h, PRIOR_HANDOFF_PER_TOKEN, 4096.0)
+        # every engine's prefill samples: the prior of each engine's per-token costs
+        # (PrefillFit.lean_on)
+        tps = seed.prefill_tokens_per_second or PRIOR_PREFILL_TOKENS_PER_SECOND
+        step = seed.decode_step_seconds or PRIOR_STEP
+        self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
+        self.prefill_solved_at = -math.inf
+        base = max(1e-3, cfg.ttft_seconds) / 4
+        self.slack_of = [base * 2.0**i for i in range(SLACK_BUCKETS)]  # each bucket's slack
         self._engines: dict[tuple[str, int], EngineCosts] = {}
         self.busy = 0  # engines with a call of this router in flight
         self.others_scale = 1.0  # 1 / the other engines an engine has
@@ -858,6 +939,24 @@ class CostModel:
         # UTF-8 bytes per token of the prompts counted exactly: sizes the prompts that are not
         # (pd_router.decide, a short prompt weighed at its upper bound)
         self.bytes_per_token = float(BYTES_PER_TOKEN)
+
+    def slack_bucket(self, slack: float) -> int:
+        """The bucket of a TTFT slack of ``slack`` seconds (:attr:`slack_of` each bucket's)."""
+        if slack <= self.slack_of[0]:
+            return 0
+        i = round(math.log2(slack / self.slack_of[0]))
+        return min(SLACK_BUCKETS - 1, i)
+
+    def pooled_prefill(self, now: float) -> PrefillFit | None:
+        """The pooled prefill fit, solved at most every ``SOLVE_SECONDS``; None before its
+        first sample."""
+        p = self.prefill
+        if not p.n:
+            return None
+        if p.pending and now - self.prefill_solved_at >= SOLVE_SECONDS:
+            p.solve()
+            self.prefill_solved_at = now
+        return p
 
     def counted(self, nbytes: int, tokens: int) -> None:
         """A prompt of ``nbytes`` bytes was counted at ``tokens`` tokens."""
@@ -899,7 +998,7 @@ class Meter:
     The call the decision planned starts from its predictions (``planned``: the engine that
     prefills, the call's kind, its slow steps and prefill seconds)."""
 
-    __slots__ = ("held", "model", "out", "planned", "stream", "tokens")
+    __slots__ = ("held", "model", "out", "planned", "slack", "stream", "tokens")
 
     def __init__(
         self,
@@ -909,8 +1008,10 @@ class Meter:
         out: int,
         stream: bool,
         planned: tuple[str, str, float, float] | None = None,
+        slack: float | None = None,
     ) -> None:
         self.model = model
+        self.slack = slack  # the request's TTFT bound less its predicted TTFT
         self.tokens = tokens
         self.held = held  # engine base URL -> prompt tokens it holds
         self.out = out
@@ -924,4 +1025,4 @@ class Meter:
         p = self.planned
         figures = (p[2], p[3]) if p is not None and p[0] == base and p[1] == kind else None
         out = self.out if kind != "prefill" else 0
-        return c.start(kind, tokens, out, self.stream, c.clock(), figures)
+        return c.start(kind, tokens, out, self.stream, c.clock(), figures, self.slack)

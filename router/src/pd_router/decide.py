@@ -251,7 +251,9 @@ class Decider:
     ) -> Meter:
         assert self.costs is not None
         budget = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS
-        return Meter(self.costs, tokens, held, budget, body.get("stream") is True, o.planned())
+        slack = self.costs.ttft_bound(tokens) - o.ttft
+        stream = body.get("stream") is True
+        return Meter(self.costs, tokens, held, budget, stream, o.planned(), slack)
 
     async def _count_exactly(
         self,

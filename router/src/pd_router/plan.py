@@ -16,7 +16,10 @@ For every option the router predicts:
   its output tokens, less the slow gaps it has seen and those the prefills queued ahead will
   cause), and, where engines crowd each other (pd_router.costs.StepFit), the streams on the
   other engines that its keeping an engine at work longer than that engine's calls would
-  slows past their ITL p95 (:meth:`Planner.crowding`).
+  slows past their ITL p95 (:meth:`Planner.crowding`), and the arrivals its prefill holds up:
+  the calls placed on the engine that prefills it while that prefill runs, each waiting for it
+  (vLLM serves its waiting queue in order) and so pushed past its TTFT bound where the wait is
+  longer than the slack it was placed with (:meth:`Planner.held_up`).
 
 It then counts the **expected SLO misses** of each option: the chance that its TTFT passes its
 bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance that more of
@@ -35,9 +38,10 @@ least doubles the others' steps), a prompt of one chunk (vLLM's ``max_num_batche
 first weighed for the engines at work alone and served whole on the one that risks the fewest
 expected misses (within ``TIE``, the one with the most streams) while that risks at most
 ``WAKE`` (``one_engine_enough``). Not a longer one: its chunks' steps hold the prompts that
-arrive behind it, which no option's weighing charges (kept there too, mixed traffic at 0.9 of
-capacity missed 28 first tokens of 141 against the fixed split's 19, 0.77 x its goodput, on the
-real engines on 2026-12-06). On this project's CPU engines two engines at work each decode
+arrive behind it (kept there too, mixed traffic at 0.9 of capacity missed 28 first tokens of
+141 against the fixed split's 19, 0.77 x its goodput, on the real engines on 2026-12-06), and
+a prompt of one chunk that takes seconds is kept only while the arrivals it holds up leave it
+within ``WAKE``. On this project's CPU engines two engines at work each decode
 2.6-4.7 x slower than one alone, so one engine serves more within the SLOs than two, and the
 per-request weighing, which prices an option from the state it finds, cannot see that: once the
 other engine is at work for the requests before, every option is weighed crowded. Splits are
@@ -98,6 +102,10 @@ PACK = 0.01
 # (docs/benchmarks.md, 2026-12-06).
 WAKE = 2.0
 
+# A prefill shorter than this share of the arrivals' TTFT slack holds none of them past their
+# bound that counts (ttft_miss at 0.3 x its bound is 3e-5): not weighed.
+HELD_NEGLIGIBLE = 0.3
+
 # How many prefillers and decoders (best first by their own side's score) are paired up: the
 # pairs beyond them cannot win on a pool of alike engines, and 4 x 4 keeps the decision cheap
 # on large pools.
@@ -120,6 +128,7 @@ class Option:
     slow: float = 0.0  # steps its prefill is expected to stretch where it is prefilled
     prefill: float = 0.0  # seconds its prefill is predicted to take there (queue included)
     harm: float = 0.0  # of ``itl_misses``, the streams its prefill pushes past their ITL p95
+    held: float = 0.0  # of ``misses``, the arrivals its prefill holds past their TTFT bound
 
     def planned(self) -> tuple[str, str, float, float]:
         """What the call that prefills it starts from (pd_router.costs.Meter): that engine,
@@ -147,7 +156,7 @@ class Option:
         """``x-pd-predicted``: what the decision expected of the option it took."""
         return (
             f"ttft_ms={self.ttft * 1000:.1f}; itl_ms={self.itl * 1000:.1f}; "
-            f"misses={self.misses:.2f}"
+            f"misses={self.misses:.2f}; held_up={self.held:.2f}"
         )
 
 
@@ -213,6 +222,41 @@ class Planner:
                 total += e.harm(extra / after * more, now)
         return total
 
+    def held_up(self, c: EngineCosts, tokens: int, now: float) -> float:
+        """The arrivals that prefilling ``tokens`` uncached prompt tokens on ``c`` pushes past
+        their TTFT bound. vLLM's scheduler serves its waiting queue in order and a prompt's
+        chunk fills a step's token budget, so each call placed on ``c`` before that prefill
+        ends (behind the prompts queued ahead) waits its own part longer. Per bucket of TTFT
+        slack (pd_router.costs.EngineCosts.arrived): the calls of that slack the decisions
+        placed there per second over the window, through that time less the slack, each
+        missing with the chance that the wait passes it. By buckets, not a mean slack: the
+        decode legs of long prompts, seconds of slack each, would hide the short prompts'
+        tenths. Without the charge, a long prompt served whole on the engine that takes the
+        short ones (the one-engine rule) kept them waiting seconds behind its chunks: mixed
+        traffic at 0.9 of capacity missed 64 short first tokens of 100 against the fixed
+        split's 2 (run AA, docs/benchmarks.md)."""
+        if not c.arrival_t:
+            return 0.0
+        own = c.prefill(tokens, tokens * tokens, c.steps_of(tokens))
+        slack_of = self.model.slack_of
+        queue = -1.0
+        total = 0.0
+        for i, w in enumerate(c.arrivals):
+            if not w:
+                continue
+            slack = slack_of[i]
+            if own <= HELD_NEGLIGIBLE * slack:  # nor any bucket after it: most prompts
+                break
+            if queue < 0:
+                queue = c.queue_seconds()
+            span = queue + own - slack
+            if span <= 0.0:
+                break
+            total += w * span * ttft_miss(own, slack)
+        if not total:
+            return 0.0
+        return total * math.exp(-(now - c.arrival_t) / c.tau)
+
     def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
         c = self._costs(ep, now)
         ttft = c.prefill_seconds(tokens)
@@ -220,8 +264,9 @@ class Planner:
         slow = c.slow_steps(tokens)
         harm = c.harm(slow, now)
         itl_misses = itl_miss + harm + self.crowding(c, ttft + out * step, now)
-        misses = ttft_miss(ttft, bound) + itl_misses
-        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm)
+        held = self.held_up(c, tokens, now)
+        misses = ttft_miss(ttft, bound) + itl_misses + held
+        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm, held)
 
     def retimed(self, o: Option, tokens: int, bound: float, now: float) -> Option:
         """The whole option ``o``, weighed at a prompt's upper bound, for the ``tokens`` it is
@@ -232,8 +277,11 @@ class Planner:
         slow = c.slow_steps(tokens)
         harm = c.harm(slow, now)
         itl_misses = o.itl_misses - o.harm + harm
-        misses = ttft_miss(ttft, bound) + itl_misses
-        return Option(o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm)
+        held = self.held_up(c, tokens, now)
+        misses = ttft_miss(ttft, bound) + itl_misses + held
+        return Option(
+            o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm, held
+        )
 
     def choose(
         self,
@@ -342,7 +390,9 @@ class Planner:
             tokens = max(1, prompt - held(x))
             slow = c.slow_steps(tokens)
             pf = c.prefill_seconds(tokens)
-            pre.append((c.harm(slow, now) + self.crowding(c, pf, now), pf, x, slow))
+            up = self.held_up(c, tokens, now)
+            harm = c.harm(slow, now) + self.crowding(c, pf, now)
+            pre.append((harm + up, pf, x, slow, harm, up))
         pre.sort(key=lambda t: (t[0], t[1]))
         dec = []
         for y in decoders:
@@ -359,7 +409,7 @@ class Planner:
         pairs = self.pairs if self.pairs is not None and self.pairs.any_out else None
         # (with pairs out, every engine: the best few might be only pairs that are out)
         n = len(pre) + len(dec) if pairs is not None else PAIR_CANDIDATES
-        for harm, pf, x, slow in pre[:n]:
+        for _, pf, x, slow, harm, up in pre[:n]:
             for itl_miss, wait, step, y, streams in dec[:n]:
                 if y is x or y.pairing != x.pairing:
                     continue
@@ -367,8 +417,8 @@ class Planner:
                     continue
                 ttft = pf + wait
                 itl_misses = harm + itl_miss
-                misses = ttft_miss(ttft, bound) + itl_misses
-                o = Option(y, x, ttft, step, misses, itl_misses, streams, slow, pf, harm)
+                misses = ttft_miss(ttft, bound) + itl_misses + up
+                o = Option(y, x, ttft, step, misses, itl_misses, streams, slow, pf, harm, up)
                 if best is None or o.better(best, pack):
                     best = o
         return best

@@ -13,6 +13,7 @@ from pd_router.config import Goodput, GoodputSeed, Health
 from pd_router.costs import (
     CROWD_CONSOLIDATE,
     PRIOR_CHUNK_TOKENS,
+    SLACK_BUCKETS,
     SOLVE_SECONDS,
     CostModel,
     EngineCosts,
@@ -283,9 +284,9 @@ def test_where_engines_crowd_each_other_one_engine_means_the_one_that_serves_bes
 
 
 def test_where_engines_crowd_each_other_a_prompt_of_several_chunks_is_weighed_everywhere() -> None:
-    """The one-engine rule keeps prompts of one chunk only: a longer one holds the prompts that
-    arrive behind it for its chunks' steps, which no option's weighing charges. Here a prompt
-    of two chunks whole on a risks less than ``WAKE`` yet goes to b, where it risks less."""
+    """The one-engine rule keeps prompts of one chunk only: a longer one is weighed on every
+    engine. Here a prompt of two chunks whole on a risks less than ``WAKE`` yet goes to b,
+    where it risks less."""
 
     def choose(prompt: int, where: str = "ab") -> tuple[str, str, float]:
         model, planner, clock = setup()
@@ -309,6 +310,73 @@ def test_where_engines_crowd_each_other_a_prompt_of_several_chunks_is_weighed_ev
     assert decoder == b.base and reason != "one_engine_enough"
     # negative control: a prompt of one chunk stays on a
     assert choose(chunk)[:2] == (a.base, "one_engine_enough")
+
+
+def test_a_prefill_is_charged_for_the_arrivals_it_holds_past_their_ttft_bound() -> None:
+    """Where the one-engine rule would keep a prompt of one chunk (1.5 s of prefill) whole on
+    a, the calls placed on a at 2 a second with 50 ms of TTFT slack would each wait behind it:
+    that risks more than ``WAKE``, and its prefill goes to b (whole there, or b prefills it for
+    a)."""
+
+    def choose(arrivals: float, slack: float, relaxed: float = 0.0) -> tuple[str, str, float]:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        costs(model, b)
+        decoding(model, a, 4, out=40, fast_seen=10)
+        ca = costs(model, a)
+        for e in (a, b):
+            costs(model, e).step.crowding = CROWD_CONSOLIDATE
+        model.crowded = model.consolidate = True
+        # the rate decays over the window; ``relaxed`` more a second with 20 s of slack
+        for rate, s in ((arrivals, slack), (relaxed, 20.0)):
+            for _ in range(int(rate * ca.tau)):
+                ca.ended(ca.start("decode", 10, 1, True, clock(), slack=s), clock())
+        choice = planner.choose(1500, NONE, [a, b], [a, b], 40, clock())
+        assert choice is not None
+        o = choice.option
+        return (o.prefiller or o.decoder).base, choice.reason, o.held
+
+    a, b = engines("a", "b")
+    prefilled_on, reason, _ = choose(arrivals=2.0, slack=0.05)
+    assert prefilled_on == b.base and reason != "one_engine_enough"
+    # as many again with seconds to spare (a long prompt's decode leg) take nothing off the
+    # short ones' charge: counted by slack, not by a mean of it
+    assert choose(arrivals=2.0, slack=0.05, relaxed=2.0)[:2] == (prefilled_on, reason)
+    # negative controls: no arrivals, or arrivals with more slack than its prefill takes
+    assert choose(arrivals=0.0, slack=0.05) == (a.base, "one_engine_enough", 0.0)
+    prefilled_on, reason, held = choose(arrivals=2.0, slack=5.0)
+    assert (prefilled_on, reason) == (a.base, "one_engine_enough") and held < 0.05
+
+
+def test_a_meter_counts_each_call_of_a_decision_as_an_arrival_with_its_slack() -> None:
+    model, _, clock = setup()
+    a, b = engines("a", "b")
+    meter = Meter(model, 100, {}, 10, True, None, slack=0.2)
+    meter.job(a.base, a.generation, "prefill")
+    meter.job(b.base, b.generation, "decode")
+    for e in (a, b):
+        c = costs(model, e)
+        assert c.arrival_rate(clock()) == pytest.approx(1.0 / c.tau)
+        assert c.arrivals[model.slack_bucket(0.2)] == pytest.approx(1.0 / c.tau)
+    # the window forgets
+    clock.t += costs(model, a).tau
+    assert costs(model, a).arrival_rate(clock()) == pytest.approx(
+        1.0 / costs(model, a).tau / 2.718, rel=1e-3
+    )
+    # negative controls: a call no decision placed (no slack) is not counted, nor one already
+    # predicted past its bound (nothing placed ahead of it can make it late)
+    rate = costs(model, a).arrival_rate(clock())
+    costs(model, a).start("whole", 10, 1, True, clock())
+    costs(model, a).start("whole", 10, 1, True, clock(), slack=-0.1)
+    assert costs(model, a).arrival_rate(clock()) == rate
+
+
+def test_the_calls_placed_on_an_engine_are_counted_by_their_slack() -> None:
+    """Buckets a factor of 2 apart from a quarter of the TTFT bound's fixed part (0.5 s)."""
+    model, _, _ = setup()
+    assert [model.slack_bucket(x) for x in (0.0, 0.125, 0.17, 0.25, 0.5, 1.0, 1000.0)] == [
+        0, 0, 0, 1, 2, 3, SLACK_BUCKETS - 1,
+    ]  # fmt: skip
 
 
 def test_a_call_is_charged_for_crowding_the_whole_of_its_time_only_where_engines_crowd_much() -> (
@@ -644,11 +712,52 @@ def test_an_answer_not_streamed_that_ended_before_its_prefill_was_due_is_forgott
     assert (c.queued, c.decoding, len(c.jobs), len(c.unseen)) == (0, 0, 0, 0)
 
 
+def test_an_engine_that_prefilled_only_short_prompts_prices_a_token_from_the_pooled_fit() -> None:
+    """One step per short prompt: b's own samples cannot tell a token's cost from the step's.
+    Held towards the pooled fit, which a's long prompts taught, b prices a long prompt near
+    the truth (10 ms + 0.6 ms a token + 20 ms a step, noise of 10 %)."""
+    truth = lambda n: 0.01 + 0.0006 * n + 0.02 * -(-n // 2048)  # noqa: E731
+    model, _, clock = setup(
+        Goodput(ttft_seconds=0.5, ttft_seconds_per_kilo_token=1.5, itl_seconds=0.05)
+    )
+    a, b = engines("a", "b")
+    rng = random.Random(3)
+
+    def prefill(ep: Endpoint, n: int) -> None:
+        c = costs(model, ep)
+        j = c.start("prefill", n, 0, False, clock())
+        clock.t += truth(n) * rng.uniform(0.9, 1.1) + c.step_now(0)
+        j.end()
+        j.answered()
+        clock.t += SOLVE_SECONDS
+
+    for _ in range(60):
+        prefill(a, rng.randint(100, 3000))
+        prefill(b, rng.randint(100, 300))
+    costs(model, b).refresh(clock())
+    predicted = costs(model, b).prefill(2500, 2500**2, 2)
+    assert predicted == pytest.approx(truth(2500), rel=0.25)
+    # negative control: the same samples of b alone, from the seed (0.1 ms a token)
+    alone = PrefillFit(0.02, 1e-4, 0.02)
+    rng = random.Random(3)
+    for _ in range(60):
+        rng.randint(100, 3000), rng.uniform(0.9, 1.1)
+        n = rng.randint(100, 300)
+        alone.add(n, n * n, 1, truth(n) * rng.uniform(0.9, 1.1))
+    assert abs(alone(2500, 2500**2, 2) / truth(2500) - 1) > 0.4  # 2.28 s against 1.55
+
+
 def test_prefill_samples_faster_than_a_solve_are_summed_and_solved_by_the_next_decision() -> None:
     model, _, clock = setup()
     (a,) = engines("a")
     c = costs(model, a)
-    ref = PrefillFit(c.prefill.a, c.prefill.b, c.prefill.c)  # solved at every sample
+    # the same samples solved at once, held towards the pooled fit as the engine's is
+    ref = PrefillFit(c.prefill.a, c.prefill.b, c.prefill.c)
+
+    def solved_ref() -> PrefillFit:
+        ref.lean_on(model.prefill)
+        ref.solve()
+        return ref
 
     def prefill(tokens: int, seconds: float) -> None:
         j = c.start("prefill", tokens, 0, False, clock())
@@ -656,10 +765,10 @@ def test_prefill_samples_faster_than_a_solve_are_summed_and_solved_by_the_next_d
         j.end()
         j.answered()
         assert j.ahead == (0, 0, 0)  # nothing queued ahead of it
-        ref.add(tokens, tokens * tokens, j.steps, seconds - j.step0)
+        ref.add(tokens, tokens * tokens, j.steps, seconds - j.step0, solve=False)
 
     prefill(2000, 4.0)  # the first sample is solved at once
-    assert (c.prefill.b, c.prefill.pending) == (ref.b, False)
+    assert (c.prefill.b, c.prefill.pending) == (solved_ref().b, False)
     b_then = c.prefill.b
     for n in (500, 1000, 1500):
         prefill(n, 0.01)  # 10 ms apart: within SOLVE_SECONDS of each other
@@ -670,6 +779,7 @@ def test_prefill_samples_faster_than_a_solve_are_summed_and_solved_by_the_next_d
     c.refresh(clock())  # the next decision after it solves what came
     assert not c.prefill.pending
     fitted = (c.prefill.a, c.prefill.b, c.prefill.q, c.prefill.c)
+    ref = solved_ref()
     assert fitted == pytest.approx((ref.a, ref.b, ref.q, ref.c), rel=1e-9)  # the clock's rounding
     assert c.prefill.b != b_then  # negative control: the samples did move it
 

@@ -36,6 +36,7 @@ class Record:
     reason: str = ""
     predicted_ttft: float | None = None  # from x-pd-predicted (the goodput decision only)
     predicted_misses: float | None = None
+    predicted_held_up: float | None = None  # of those misses, the arrivals its prefill holds up
     rid: str = ""  # its X-Request-Id (the router's access line names its engines by it)
     engine: str = ""  # the engine that answered, and the one that prefilled (access line)
     prefiller: str = ""
@@ -89,6 +90,7 @@ async def send(
                 pred = r.headers.get("x-pd-predicted", "")
                 rec.predicted_ttft = _predicted(pred)
                 rec.predicted_misses = _predicted(pred, "misses", 1)
+                rec.predicted_held_up = _predicted(pred, "held_up", 1)
                 if r.status != 200:
                     rec.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                     return rec
