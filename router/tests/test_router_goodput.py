@@ -146,8 +146,9 @@ def test_the_goodput_decision_explains_itself_and_exports_its_error(fx: Flex) ->
         assert r.headers["x-pd-route"] == "direct"
         assert r.headers["x-pd-reason"] in ("handoff_not_worth", "whole_best", "one_engine_enough")
         predicted = dict(p.strip().split("=") for p in r.headers["x-pd-predicted"].split(";"))
-        assert set(predicted) == {"ttft_ms", "itl_ms", "misses"}
+        assert set(predicted) == {"ttft_ms", "itl_ms", "misses", "held_up"}
         assert float(predicted["ttft_ms"]) > 0
+        assert 0 <= float(predicted["held_up"]) <= float(predicted["misses"])
         assert list(r.iter_lines())
     rec = _access_lines(router, "gp-short")["gp-short"]
     assert rec["engine"] in {e.url() for e in fx.engines} and rec["prefiller"] == ""

@@ -527,7 +527,7 @@ class Router:
             a["pd.predicted.ttft_ms"] = round(o.ttft * 1000, 1)
             a["pd.predicted.itl_ms"] = round(o.itl * 1000, 1)
             a["pd.predicted.misses"] = o.misses
-            a["pd.predicted.held_up"] = o.held
+            a["pd.predicted.held_up"] = o.held_up
         tr.end(span)
         tr.current = tr.root
 

@@ -241,10 +241,10 @@ class PrefillFit(Ridge):
         self.a, self.b, self.q, self.c = a, b, 0.0, step
 
     def _scale(self, i: int) -> float:
-        # the per-token costs' firm prior weighs a quarter of a sample of a 1,000-token prompt:
-        # next to nothing beside prompts of many lengths, most of it beside one-step prompts
-        # of a few hundred tokens
-        return LEAN_WEIGHT / PRIOR_WEIGHT if i in _PER_TOKEN else 1.0
+        # held towards the pooled fit, the per-token costs' firm prior weighs a quarter of a
+        # sample of a 1,000-token prompt: next to nothing beside prompts of many lengths, most
+        # of it beside one-step prompts of a few hundred tokens
+        return LEAN_WEIGHT / PRIOR_WEIGHT if i in self.firm else 1.0
 
     def lean_on(self, pooled: PrefillFit) -> None:
         """Hold the per-token costs towards ``pooled``'s (every engine's samples: one model,
@@ -252,7 +252,9 @@ class PrefillFit(Ridge):
         prompts cannot tell what a token costs from the step each of them takes, and kept at
         the seed (0.1 ms a token) the short prompts' engine on the CPU machines predicted a
         2,153-token prompt at 0.39 s where the engine that prefilled the long ones said 2.0."""
-        self.beta0[1] = max(self.floor[1], pooled.beta[1])
+        # not the seed's floor (its own per-token cost): on hardware faster than the seed the
+        # pooled fit's is below it (the simulated H100s: 0.024 ms a token against 0.1)
+        self.beta0[1] = max(0.0, pooled.beta[1])
         self.beta0[2] = max(0.0, pooled.beta[2])
         self.firm = _PER_TOKEN
 
@@ -587,7 +589,7 @@ class EngineCosts:
         past its bound already is not counted: a prefill placed ahead of it cannot make it
         late (counted in the lowest bucket, the doomed short prompts sent to an engine behind
         long prefills charged the next short prompt there for all of them, 3 misses)."""
-        if slack <= 0.0:
+        if not 0.0 < slack < math.inf:  # NaN too
             return
         w = self.arrivals
         if self.arrival_t:
@@ -606,8 +608,8 @@ class EngineCosts:
     def refresh_prefill(self, now: float) -> None:
         """Solve the prefill fit for the samples it has not taken yet, at most every
         ``SOLVE_SECONDS``, held towards the pooled fit."""
+        pooled = self.model.pooled_prefill(now)  # solved on its own clock, whatever ours
         if self.prefill.pending and now - self.solved_at >= SOLVE_SECONDS:
-            pooled = self.model.pooled_prefill(now)
             if pooled is not None:
                 self.prefill.lean_on(pooled)
             self.prefill.solve()
@@ -623,6 +625,13 @@ class EngineCosts:
             self.q_sq + tokens * tokens,
             self.q_steps + self.steps_of(tokens),
         )
+
+    def holds(self, tokens: int) -> float:
+        """How much longer prefilling ``tokens`` uncached tokens here makes the calls behind it
+        wait: its tokens' compute, and a step for each chunk past its first (a prompt within
+        one chunk shares its step with the calls that join it, a step the decodes run anyway)."""
+        p = self.prefill
+        return p.b * tokens + p.q * tokens * tokens + p.c * (self.steps_of(tokens) - 1)
 
     def queue_seconds(self) -> float:
         """What the prompts queued here add to the first token of a request that arrives now
@@ -770,8 +779,8 @@ class EngineCosts:
     ) -> Job:
         """``planned``: (slow steps, prefill seconds) the decision predicted for this very call
         (a prefill's are the same figures, found again otherwise). ``slack``: the TTFT slack
-        of the request the call is part of, as its decision predicted it (None: a call no
-        decision placed, not counted as an arrival)."""
+        of the request the call is part of, as its decision predicted it, retries included (None:
+        not counted as an arrival)."""
         if slack is not None:
             self.arrived(slack, now)
         if kind == "decode":
@@ -819,12 +828,10 @@ class EngineCosts:
     def learn_prefill(self, job: Job, now: float) -> None:
         x, x2, steps = job.ahead
         n = job.tokens
-        solve = now - self.solved_at >= SOLVE_SECONDS
         y = now - job.t_send - job.step0
         self.prefill.add(x + n, x2 + n * n, steps + job.steps, y, False)
         self.model.prefill.add(x + n, x2 + n * n, steps + job.steps, y, False)
-        if solve:
-            self.refresh_prefill(now)
+        self.refresh_prefill(now)
 
     def first_token(self, job: Job, now: float) -> None:
         if job.kind == "whole":

@@ -24,7 +24,7 @@ For every option the router predicts:
 It then counts the **expected SLO misses** of each option: the chance that its TTFT passes its
 bound (the prediction taken as log-normally spread, ``TTFT_SPREAD``), the chance that more of
 its gaps than its budget pass the ITL bound (Poisson at the expected count), 1 when its step
-alone passes it, and the streams it harms.
+alone passes it, the streams it harms, and the arrivals it holds up.
 
 **The rule**: a split must risk ``TIE`` fewer expected misses than the best whole option (a
 hand-off must earn its risk); among the rest, the fewest expected misses, then the earliest
@@ -56,9 +56,9 @@ within ``TIE``, so no split could do better), ``one_engine_enough`` (whole on an
 work, where engines crowd each other: within ``WAKE``), ``whole_best`` (whole;
 splits were weighed and lost), ``split_protects_itl`` (split; a whole option risks more ITL
 misses, this request's or other streams'), ``split_faster`` (split; a whole option risks more
-TTFT misses). The predicted figures go back in ``x-pd-predicted`` and in the trace, and the
-router exports observed / predicted TTFT (``pd_router_ttft_prediction_ratio``) so that a user
-sees the model's error.
+TTFT misses, its own or those of the arrivals its prefill holds up). The predicted figures go
+back in ``x-pd-predicted`` and in the trace, and the router exports observed / predicted TTFT
+(``pd_router_ttft_prediction_ratio``) so that a user sees the model's error.
 
 Pairs keep the revision rule (pd_router.revision): both engines serve the same KV revision, and
 the same weights of it (pd_router.weights: ``Endpoint.pairing``).
@@ -128,7 +128,7 @@ class Option:
     slow: float = 0.0  # steps its prefill is expected to stretch where it is prefilled
     prefill: float = 0.0  # seconds its prefill is predicted to take there (queue included)
     harm: float = 0.0  # of ``itl_misses``, the streams its prefill pushes past their ITL p95
-    held: float = 0.0  # of ``misses``, the arrivals its prefill holds past their TTFT bound
+    held_up: float = 0.0  # of ``misses``, the arrivals its prefill holds past their TTFT bound
 
     def planned(self) -> tuple[str, str, float, float]:
         """What the call that prefills it starts from (pd_router.costs.Meter): that engine,
@@ -156,7 +156,7 @@ class Option:
         """``x-pd-predicted``: what the decision expected of the option it took."""
         return (
             f"ttft_ms={self.ttft * 1000:.1f}; itl_ms={self.itl * 1000:.1f}; "
-            f"misses={self.misses:.2f}; held_up={self.held:.2f}"
+            f"misses={self.misses:.2f}; held_up={self.held_up:.2f}"
         )
 
 
@@ -226,18 +226,19 @@ class Planner:
         """The arrivals that prefilling ``tokens`` uncached prompt tokens on ``c`` pushes past
         their TTFT bound. vLLM's scheduler serves its waiting queue in order and a prompt's
         chunk fills a step's token budget, so each call placed on ``c`` before that prefill
-        ends (behind the prompts queued ahead) waits its own part longer. Per bucket of TTFT
-        slack (pd_router.costs.EngineCosts.arrived): the calls of that slack the decisions
-        placed there per second over the window, through that time less the slack, each
-        missing with the chance that the wait passes it. By buckets, not a mean slack: the
-        decode legs of long prompts, seconds of slack each, would hide the short prompts'
-        tenths. Without the charge, a long prompt served whole on the engine that takes the
-        short ones (the one-engine rule) kept them waiting seconds behind its chunks: mixed
-        traffic at 0.9 of capacity missed 64 short first tokens of 100 against the fixed
-        split's 2 (run AA, docs/benchmarks.md)."""
+        ends (behind the prompts queued ahead) waits longer by what it adds
+        (pd_router.costs.EngineCosts.holds). Per bucket of TTFT slack
+        (pd_router.costs.EngineCosts.arrived): the calls of that slack the decisions placed
+        there per second over the window, through that time less the slack, each missing with
+        the chance that what the prefill adds passes its slack (log-normal, ``TTFT_SPREAD``).
+        By buckets, not a mean slack: the decode legs of long prompts, seconds of slack each,
+        would hide the short prompts' tenths. Without the charge, a long prompt served whole
+        on the engine that takes the short ones (the one-engine rule) kept them waiting
+        seconds behind its chunks: mixed traffic at 0.9 of capacity missed 64 short first
+        tokens of 100 against the fixed split's 2 (run AA, docs/benchmarks.md)."""
         if not c.arrival_t:
             return 0.0
-        own = c.prefill(tokens, tokens * tokens, c.steps_of(tokens))
+        own = c.holds(tokens)
         slack_of = self.model.slack_of
         queue = -1.0
         total = 0.0
@@ -264,9 +265,9 @@ class Planner:
         slow = c.slow_steps(tokens)
         harm = c.harm(slow, now)
         itl_misses = itl_miss + harm + self.crowding(c, ttft + out * step, now)
-        held = self.held_up(c, tokens, now)
-        misses = ttft_miss(ttft, bound) + itl_misses + held
-        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm, held)
+        up = self.held_up(c, tokens, now)
+        misses = ttft_miss(ttft, bound) + itl_misses + up
+        return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm, up)
 
     def retimed(self, o: Option, tokens: int, bound: float, now: float) -> Option:
         """The whole option ``o``, weighed at a prompt's upper bound, for the ``tokens`` it is
@@ -277,10 +278,10 @@ class Planner:
         slow = c.slow_steps(tokens)
         harm = c.harm(slow, now)
         itl_misses = o.itl_misses - o.harm + harm
-        held = self.held_up(c, tokens, now)
-        misses = ttft_miss(ttft, bound) + itl_misses + held
+        up = self.held_up(c, tokens, now)
+        misses = ttft_miss(ttft, bound) + itl_misses + up
         return Option(
-            o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm, held
+            o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm, up
         )
 
     def choose(

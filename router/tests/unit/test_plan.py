@@ -5,6 +5,7 @@ itself)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -334,7 +335,7 @@ def test_a_prefill_is_charged_for_the_arrivals_it_holds_past_their_ttft_bound() 
         choice = planner.choose(1500, NONE, [a, b], [a, b], 40, clock())
         assert choice is not None
         o = choice.option
-        return (o.prefiller or o.decoder).base, choice.reason, o.held
+        return (o.prefiller or o.decoder).base, choice.reason, o.held_up
 
     a, b = engines("a", "b")
     prefilled_on, reason, _ = choose(arrivals=2.0, slack=0.05)
@@ -346,6 +347,75 @@ def test_a_prefill_is_charged_for_the_arrivals_it_holds_past_their_ttft_bound() 
     assert choose(arrivals=0.0, slack=0.05) == (a.base, "one_engine_enough", 0.0)
     prefilled_on, reason, held = choose(arrivals=2.0, slack=5.0)
     assert (prefilled_on, reason) == (a.base, "one_engine_enough") and held < 0.05
+
+
+def test_a_short_prompt_holds_up_no_one() -> None:
+    """A prompt within one chunk shares its step with the calls that join it: the charge is
+    what its tokens add (about nothing for 20 tokens), not a step; the arrivals' weight decays
+    over the window. Negative control: 1,500 tokens, a second and a half of compute."""
+    model, planner, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    c.start("whole", 400, 50, True, clock())  # 0.4 s queued ahead
+    for _ in range(int(3.0 * c.tau)):
+        c.ended(c.start("decode", 10, 1, True, clock(), slack=0.1), clock())
+    assert planner.held_up(c, 20, clock()) < 0.01
+    long = planner.held_up(c, 1500, clock())
+    assert long > 3.0
+    clock.t += c.tau  # the window forgets the arrivals
+    assert planner.held_up(c, 1500, clock()) == pytest.approx(long / 2.718, rel=1e-3)
+    whole = planner.whole(a, 1500, 50, model.ttft_bound(1500), clock())
+    assert whole.held_up > 0 and "held_up=" in whole.header()
+
+
+def test_a_nan_slack_is_not_counted() -> None:
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    for bad in (math.nan, math.inf, -1.0, 0.0):
+        c.start("decode", 10, 1, True, clock(), slack=bad)
+    assert c.arrival_rate(clock()) == 0.0
+    c.start("decode", 10, 1, True, clock(), slack=0.3)  # negative control
+    assert c.arrival_rate(clock()) > 0.0
+
+
+def test_a_pooled_fit_faster_than_the_seed_is_leant_on_as_it_is() -> None:
+    """Engines faster than the seed (0.1 ms a token; the simulated H100s 0.024): an engine of
+    short prompts leans on the pooled per-token cost, not on the seed's."""
+    model, _, clock = setup(
+        Goodput(ttft_seconds=0.5, ttft_seconds_per_kilo_token=1.5, itl_seconds=0.05)
+    )
+    assert model.pooled_prefill(clock()) is None  # no sample yet
+    (a,) = engines("a")
+    c = costs(model, a)
+    for n in (8000, 200, 4000, 300, 6000, 150) * 10:
+        j = c.start("prefill", n, 0, False, clock())
+        clock.t += 0.005 + 0.000024 * n + c.step_now(0)
+        j.end()
+        j.answered()
+        clock.t += SOLVE_SECONDS
+    pooled = model.pooled_prefill(clock())
+    assert pooled is not None
+    assert pooled(6000, 6000**2, 3) == pytest.approx(0.005 + 0.000024 * 6000, rel=0.2)
+    truth = lambda n: 0.005 + 0.000024 * n  # noqa: E731
+    rng = random.Random(5)
+    samples = [
+        (n, truth(n) * rng.uniform(0.9, 1.1)) for n in [rng.randint(100, 300) for _ in range(60)]
+    ]
+    short_only = PrefillFit(0.02, 1e-4, 0.02)
+    for n, y in samples:
+        short_only.add(n, n * n, 1, y, solve=False)
+    short_only.lean_on(pooled)
+    short_only.solve()
+    assert short_only(6000, 6000**2, 3) == pytest.approx(truth(6000), rel=0.25)
+    # negative control: the pooled per-token cost clamped at the seed's (its floor)
+    clamped = PrefillFit(0.02, 1e-4, 0.02)
+    for n, y in samples:
+        clamped.add(n, n * n, 1, y, solve=False)
+    clamped.lean_on(pooled)
+    clamped.beta0[1] = max(clamped.floor[1], pooled.beta[1])
+    clamped.solve()
+    assert clamped(6000, 6000**2, 3) > 1.4 * truth(6000)
 
 
 def test_a_meter_counts_each_call_of_a_decision_as_an_arrival_with_its_slack() -> None:
