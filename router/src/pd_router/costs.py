@@ -301,6 +301,14 @@ class StepFit(Ridge):
         return max(1e-6, self.s0 * self.s0) if i == 2 else 1.0
 
 
+def seeded_prefill(cfg: Goodput) -> PrefillFit:
+    """A prefill fit at its prior: ``routing.goodput.seed``, else the built-in one."""
+    seed = cfg.seed
+    tps = seed.prefill_tokens_per_second or PRIOR_PREFILL_TOKENS_PER_SECOND
+    step = seed.decode_step_seconds or PRIOR_STEP
+    return PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
+
+
 _PER_TOKEN = frozenset((1, 2))  # PrefillFit's per-token coefficients (k and q)
 _K = 1000.0  # PrefillFit's features in thousands of tokens (and millions of tokens squared)
 _K2 = _K * _K
@@ -500,10 +508,9 @@ class EngineCosts:
         g = model.cfg
         self.tau = g.window_seconds
         seed = g.seed
-        tps = seed.prefill_tokens_per_second or PRIOR_PREFILL_TOKENS_PER_SECOND
-        step = seed.decode_step_seconds or PRIOR_STEP
-        self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
+        self.prefill = seeded_prefill(g)
         self.solved_at = -math.inf  # when the prefill fit was last solved
+        step = seed.decode_step_seconds or PRIOR_STEP
         self.step = StepFit(step, PRIOR_STEP_PER_STREAM, seed.crowding)
         self.step_solved_at = -math.inf
         # vLLM's max_num_batched_tokens: not said by the engine, nor learnt (the gaps a prompt
@@ -929,9 +936,7 @@ class CostModel:
         self.handoff = Fit(h, PRIOR_HANDOFF_PER_TOKEN, 4096.0)
         # every engine's prefill samples: the prior of each engine's per-token costs
         # (PrefillFit.lean_on)
-        tps = seed.prefill_tokens_per_second or PRIOR_PREFILL_TOKENS_PER_SECOND
-        step = seed.decode_step_seconds or PRIOR_STEP
-        self.prefill = PrefillFit(PRIOR_PREFILL_OVERHEAD, 1.0 / tps, step)
+        self.prefill = seeded_prefill(cfg)
         self.prefill_solved_at = -math.inf
         base = max(1e-3, cfg.ttft_seconds) / 4
         self.slack_of = [base * 2.0**i for i in range(SLACK_BUCKETS)]  # each bucket's slack
