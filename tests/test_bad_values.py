@@ -584,6 +584,54 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "decode:\n  dataParallelSize: 2\n",
         ("decode.dataParallelSize", "not checked with NixlConnector kv_both"),
     ),
+    # LoRA adapters (model.lora): what vLLM 0.31.0 refuses at start, or would serve wrong.
+    "lora_adapter_named_as_the_model": (
+        "model:\n  lora:\n    adapters: [{name: qwen3.5-9b, rank: 8, path: /models/a}]\n",
+        ("model.lora.adapters[0].name", "model.servedName"),
+    ),
+    "lora_adapter_named_twice": (
+        "model:\n  lora:\n    adapters: [{name: a, rank: 8, path: /m/a}, {name: a, rank: 8, path: /m/b}]\n",
+        ("model.lora.adapters[1].name", "model.lora.adapters[0].name"),
+    ),
+    "lora_adapter_without_a_source": (
+        "model:\n  lora:\n    adapters: [{name: a, rank: 8}]\n",
+        ("model.lora.adapters[0]", "exactly one source"),
+    ),
+    "lora_adapter_with_both_sources": (
+        "model:\n  lora:\n    adapters: [{name: a, rank: 8, path: /m/a, hub: {id: o/a, revision: " + "a" * 40 + "}}]\n",
+        ("model.lora.adapters[0]", "exactly one source"),
+    ),
+    "lora_hub_adapter_at_a_branch": (
+        "model:\n  lora:\n    adapters: [{name: a, rank: 8, hub: {id: o/a, revision: main}}]\n",
+        ("/model/lora/adapters/0/hub/revision",),
+    ),
+    "lora_hub_adapter_without_preflight": (
+        "engine:\n  preflight:\n    enabled: false\nmodel:\n  lora:\n    adapters: [{name: a, rank: 8, hub: "
+        "{id: o/a, revision: " + "a" * 40 + "}}]\n",
+        ("model.lora.adapters[0].hub", "engine.preflight.enabled"),
+    ),
+    "lora_rank_above_vllms_largest": (
+        "model:\n  lora:\n    adapters: [{name: a, rank: 1024, path: /m/a}]\n",
+        ("/model/lora/adapters/0/rank",),
+    ),
+    "lora_name_with_an_at_sign": (
+        "model:\n  lora:\n    adapters: [{name: 'a@b', rank: 8, path: /m/a}]\n",
+        ("/model/lora/adapters/0/name",),
+    ),
+    "lora_more_slots_than_adapters": (
+        "model:\n  lora:\n    maxLoras: 2\n    adapters: [{name: a, rank: 8, path: /m/a}]\n",
+        ("model.lora.maxLoras",),
+    ),
+    "lora_cpu_slots_below_gpu_slots": (
+        "model:\n  lora:\n    maxLoras: 2\n    maxCpuLoras: 1\n    adapters: [{name: a, rank: 8, path: /m/a}, "
+        "{name: b, rank: 8, path: /m/b}]\n",
+        ("model.lora.maxCpuLoras", "model.lora.maxLoras"),
+    ),
+    "lora_with_lmcache": (
+        "model:\n  attention: full\n  lora:\n    adapters: [{name: a, rank: 8, path: /m/a}]\n"
+        "kvTransfer:\n  connector: lmcache\nrouter:\n  replicas: 1\n  autoscaling:\n    enabled: false\n",
+        ("model.lora.adapters", "lmcache", "LMCache's cache key leaves the adapter out"),
+    ),
     # The goodput decision's SLOs, as the router refuses them (pd_router.config _validate_goodput).
     "unknown_decision": ("router:\n  decision: fastest\n", ("/router/decision",)),
     "goodput_ttft_of_zero": ("router:\n  goodput:\n    ttftSeconds: 0\n", ("/router/goodput/ttftSeconds",)),

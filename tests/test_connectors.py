@@ -21,7 +21,12 @@ from tests.cases import LMCACHE
 CHART_VALUES = helm.CHART / "values.yaml"
 PREFLIGHT = helm.CHART / "files" / "preflight.py"
 # The chart's fact -> the router's, for the facts both keep; a reason counts as true.
-SHARED_FACTS = {"fixedRoles": "fixed_roles", "goodput": "goodput", "notifications": "notifications"}
+SHARED_FACTS = {
+    "fixedRoles": "fixed_roles",
+    "goodput": "goodput",
+    "notifications": "notifications",
+    "noLora": "no_lora",
+}
 
 
 @pytest.fixture(scope="module")

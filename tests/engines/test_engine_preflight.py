@@ -47,9 +47,10 @@ def preflight(
     vllm: str | None = VLLM,
     shim: dict[str, str] | None = None,
     engine: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`shim`: modules (dotted name -> source) put ahead of the real ones, as a broken image would have them."""
-    env = stack.env(vllm)
+    env = {**stack.env(vllm), **(extra_env or {})}
     if config is not None:
         (tmp_path / "lmcache.yaml").write_text(config)
         env["LMCACHE_CONFIG_FILE"] = str(tmp_path / "lmcache.yaml")
@@ -192,3 +193,37 @@ def test_a_vllm_the_chart_was_not_checked_against_is_named(tmp_path: Path) -> No
     proc = preflight(args, tmp_path, vllm=VLLM)
     assert proc.returncode == 0 and proc.stdout.strip() == ENGINE
     assert f"WARNING: the chart was checked against vLLM {other}, not {VLLM}" in proc.stderr
+
+
+LORA_COMMIT = "4" * 40
+LORA_SETS = (
+    "model.lora.adapters[0].name=support-bot",
+    "model.lora.adapters[0].rank=8",
+    "model.lora.adapters[0].hub.id=acme/support-lora",
+    f"model.lora.adapters[0].hub.revision={LORA_COMMIT}",
+)
+
+
+def _hub_env(tmp_path: Path) -> dict[str, str]:
+    """An offline hub cache in ``tmp_path``: huggingface_hub (the engine stack's) resolves a
+    pinned commit from the cache alone, as it does in a pod whose model volume holds it."""
+    return {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_adapter_at_its_commit_is_fetched_before_the_engine_starts(tmp_path: Path) -> None:
+    args = rendered_command(sets=LORA_SETS)
+    assert f"--lora-hub=model.lora.adapters[0].hub=acme/support-lora@{LORA_COMMIT}" in args
+    # the folder the chart gives vLLM (engine/_args.tpl pd-inference.loraPath), present offline
+    snap = tmp_path / "hf" / "hub" / "models--acme--support-lora" / "snapshots" / LORA_COMMIT
+    snap.mkdir(parents=True)
+    (snap / "adapter_config.json").write_text("{}")
+    proc = preflight(args, tmp_path, extra_env=_hub_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ENGINE
+    assert "lora adapters=1" in proc.stderr
+
+
+def test_a_hub_adapter_that_cannot_be_fetched_names_its_field(tmp_path: Path) -> None:
+    args = rendered_command(sets=LORA_SETS)
+    line = failure_line(preflight(args, tmp_path, extra_env=_hub_env(tmp_path)))
+    assert line.startswith(f"model.lora.adapters[0].hub: cannot download acme/support-lora at {LORA_COMMIT}"), line

@@ -309,6 +309,39 @@ def shebang_hint(exe: str) -> str:
     return f"; {exe} runs in {shebang}" if shebang else ""
 
 
+# --------------------------------------------------------------------------- LoRA adapters
+def download_adapters(specs: list[str]) -> str:
+    """Each ``FIELD=REPO@COMMIT`` (model.lora.adapters[i].hub) into the hub cache at that commit:
+    vLLM 0.31.0 downloads a --lora-modules hub id itself but at the default branch only
+    (lora/utils.py get_adapter_absolute_path), so the chart gives vLLM the snapshot folder of
+    the pinned commit (HF_HOME/hub/models--<org>--<name>/snapshots/<commit>) and this puts it
+    there. An adapter already complete there is not asked of the hub again (a pod restarted
+    while the hub is down still starts); huggingface_hub (1.33.0 in the checked engine stack)
+    honours HF_ENDPOINT, HF_TOKEN_PATH and HF_HUB_OFFLINE as the engine does."""
+    if not specs:
+        return ""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise Failed(
+            "model.lora.adapters: hub adapters need huggingface_hub in the engine image (vLLM depends on it); "
+            "give a `path` instead"
+        ) from None
+    for spec in specs:
+        field, _, source = spec.partition("=")
+        repo, _, commit = source.partition("@")
+        try:  # already in the model cache (a restarted pod): no hub call, none needed
+            snapshot_download(repo_id=repo, revision=commit, local_files_only=True)
+            continue
+        except Exception:  # huggingface_hub 1.x: LocalEntryNotFoundError, IncompleteSnapshotError
+            pass
+        try:
+            snapshot_download(repo_id=repo, revision=commit)
+        except Exception as exc:  # the hub's errors have no common base worth naming here
+            raise Failed(f"{field}: cannot download {repo} at {commit}: {type(exc).__name__}: {exc}") from None
+    return f"lora adapters={len(specs)}"
+
+
 # --------------------------------------------------------------------------- main
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
@@ -323,6 +356,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--efa-devices", type=int, default=0, help="EFA devices requested (0 = EFA off)")
     p.add_argument("--checked-vllm", default="", help="comma-separated vLLM versions the chart was checked against")
     p.add_argument("--timeout-seconds", type=float, default=300, help="deadline of the NIXL/LMCache checks")
+    p.add_argument(
+        "--lora-hub",
+        action="append",
+        default=[],
+        metavar="FIELD=REPO@COMMIT",
+        help="a LoRA adapter to download into the hub cache (HF_HOME) before the engine starts",
+    )
     p.add_argument(CHILD, dest="child", metavar="LOG", help=argparse.SUPPRESS)
     args = p.parse_args(argv[:cut])
     command = argv[cut + 1 :]
@@ -419,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         vllm = check_engine_command(command, [v for v in args.checked_vllm.split(",") if v])
         parts += run_child(args, argv)
         parts.append(vllm)
+        if args.lora_hub:
+            parts.append(download_adapters(args.lora_hub))
     except Failed as exc:
         print(f"{PREFIX}: FAILED: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED

@@ -6,7 +6,7 @@ ConfigMaps, the checks of kvTransfer.lmcache.* values), which no other connector
 
 The router keeps the same list (router/src/pd_router/connectors.py), the schema's enum is
 generated from it (ci/chartdoc.py, type=connector), and tests/test_connectors.py fails when the
-names, or the facts both keep (fixedRoles, goodput, notifications), differ. A connector's
+names, or the facts both keep (fixedRoles, goodput, notifications, noLora), differ. A connector's
 settings are kvTransfer.<name>, with a bufferDevice (the engine preflight checks it).
 
 A third connector: an entry here, its pieces below, its settings in values.yaml, and its entry
@@ -23,6 +23,7 @@ Facts:
                        kvTransfer.lmcache.notificationReceiver says: the router, or a sidecar in
                        each prefill pod
   hybridModels         vLLM's connector serves hybrid KV-cache models (SupportsHMA)
+  noLora               why it cannot serve LoRA adapters (model.lora.adapters); "" = it can
   oneRankEngines       why it serves only one-node engines of one data-parallel rank; "" = any
   equalTensorParallel  why prefill and decode need one tensorParallelSize; "" = they need not
   kvRevision           what the KV revision (engine/_revision.tpl) hashes besides the shared
@@ -47,6 +48,7 @@ Pieces, each a named template pd-inference.connectors.<name>.<piece>:
     "goodput" true
     "notifications" false
     "hybridModels" true
+    "noLora" ""
     "oneRankEngines" ""
     "equalTensorParallel" ""
     "kvRevision" dict)
@@ -56,6 +58,7 @@ Pieces, each a named template pd-inference.connectors.<name>.<piece>:
     "goodput" false
     "notifications" true
     "hybridModels" false
+    "noLora" "LMCache's cache key leaves the adapter out (LMCache 0.5.6 lmcache/utils.py CacheEngineKey: the model, world size, worker, the tokens' hash, dtype and tags; LMCache issue 2961, vLLM issue 44250), so a request for one adapter could be served another's KV or the base model's"
     "oneRankEngines" "LMCache PD's config names one decoder host per engine with one receiver port per TP rank (vLLM ranks on other pods, or other DP ranks, are not addressed)"
     "equalTensorParallel" "LMCache PD sends one KV shard and one notification per TP rank"
     "kvRevision" (dict "lmcacheChunkSize" "chunkSize"))

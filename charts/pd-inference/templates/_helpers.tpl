@@ -235,7 +235,7 @@ checks the two agree; batch is left out: the test sends single requests).
 {{- if eq .Values.router.decision "goodput" -}}
 {{- $decided = list "handoff_not_worth" "whole_best" "one_engine_enough" "split_protects_itl" "split_faster" -}}
 {{- end -}}
-{{- $fallbacks := list "unsupported_fields" "no_prefiller" "prefill_error" "prefill_timeout" "no_kv_params" "tokenize_error" "unknown_max_tokens" "notify_timeout" "decode_retry" "too_long" "reasoning_parser" "prefill_refused" "no_revision_pair" "weights_differ" "handoff_failing" -}}
+{{- $fallbacks := list "unsupported_fields" "no_prefiller" "prefill_error" "prefill_timeout" "no_kv_params" "tokenize_error" "unknown_max_tokens" "notify_timeout" "decode_retry" "too_long" "reasoning_parser" "prefill_refused" "no_revision_pair" "weights_differ" "handoff_failing" "no_adapter_pair" -}}
 {{- concat $decided $fallbacks | toJson -}}
 {{- end -}}
 

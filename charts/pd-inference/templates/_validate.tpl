@@ -7,6 +7,7 @@ order (the first rule broken is the one reported).
 {{- define "pd-inference.validate" -}}
 {{- include "pd-inference.validate.moved" . -}}
 {{- include "pd-inference.validate.model" . -}}
+{{- include "pd-inference.validate.lora" . -}}
 {{- include "pd-inference.validate.layout" . -}}
 {{- include "pd-inference.validate.notifications" . -}}
 {{- include "pd-inference.validate.tracing" . -}}

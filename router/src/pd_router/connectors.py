@@ -32,6 +32,15 @@ class Connector:
     # The prefillers announce that the KV landed, received as lmcache.notificationReceiver
     # says: in the router (one process binds the socket) or in a sidecar of each prefill pod.
     notifications: bool
+    # Why it cannot serve LoRA adapters (model.adapters); "" = it can.
+    no_lora: str = ""
+
+
+LMCACHE_NO_LORA = (
+    "LMCache's cache key leaves the adapter out (LMCache 0.5.6 lmcache/utils.py CacheEngineKey: "
+    "the model, world size, worker, the tokens' hash, dtype and tags; LMCache issue 2961, vLLM "
+    "issue 44250), so a request for one adapter could be served another's KV or the base model's"
+)
 
 
 # In the order the router presets their series (pd_router_handoff_wait_seconds{connector}).
@@ -47,6 +56,7 @@ CONNECTORS: dict[str, Connector] = {
         fixed_roles="an LMCache PD engine is a sender or a receiver, never both",
         goodput=False,
         notifications=True,
+        no_lora=LMCACHE_NO_LORA,
     ),
 }
 # what the config accepts, in the order its error names them

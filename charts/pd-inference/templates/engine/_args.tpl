@@ -33,6 +33,7 @@ and 0.33.0 default to 0, which aborts it (v1/engine/core.py _handle_shutdown: "a
 - --enable-auto-tool-choice
 - --tool-call-parser={{ . }}
 {{- end }}
+{{- include "pd-inference.engine.loraArgs" .ctx }}
 - --kv-transfer-config
 - {{ include "pd-inference.kvTransferConfig" (dict "ctx" .ctx "role" .role) | toJson }}
 {{- if $v.engine.kvEvents.enabled }}
@@ -138,4 +139,64 @@ Call with (dict "ctx" $ "role" "prefill").
 {{- with include "pd-inference.tracing.engineEnv" . }}
 {{ . }}
 {{- end }}
+{{- end -}}
+
+
+{{/*
+LoRA adapters (model.lora), the same on both roles: a prefiller and a decoder must both hold an
+adapter for its KV to be usable (vLLM 0.31.0 hashes every block of an adapter's request with the
+adapter's name and path: v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys; NixlConnector
+itself never looks at the adapter: a decode leg named for another model answers 200 with wrong
+tokens). Static --lora-modules, loaded at start (entrypoints/openai/models/serving.py
+init_static_loras; one that fails to load stops the engine), rather than vLLM's runtime
+/v1/load_lora_adapter, which needs VLLM_ALLOW_RUNTIME_LORA_UPDATING and is lost on a restart:
+the adapters a pod serves are what git says (docs/lora.md). Each module as JSON, with the served
+name as its base, so that /v1/models lists it with that `parent` (a `name=path` item with a comma
+in the path would be read as JSON: cli_args.py LoRAParserAction). --max-lora-rank takes only
+vLLM's MaxLoRARanks (config/lora.py): the smallest at or above the largest adapter's rank.
+*/}}
+{{- define "pd-inference.engine.loraArgs" -}}
+{{- $v := .Values -}}
+{{- $l := $v.model.lora -}}
+{{- with $l.adapters }}
+- --enable-lora
+- --max-loras={{ int $l.maxLoras }}
+- --max-cpu-loras={{ int ($l.maxCpuLoras | default (len .)) }}
+- --max-lora-rank={{ include "pd-inference.loraMaxRank" $v }}
+- --lora-modules
+{{- range . }}
+- {{ dict "name" .name "path" (include "pd-inference.loraPath" (dict "ctx" $ "adapter" .)) "base_model_name" $v.model.servedName | toJson | toJson }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* vLLM's --max-lora-rank for model.lora.adapters: the smallest of its MaxLoRARanks (vLLM
+0.31.0 config/lora.py) at or above every adapter's rank (the schema caps a rank at 512). */}}
+{{- define "pd-inference.loraMaxRank" -}}
+{{- $top := 1 -}}
+{{- range .model.lora.adapters -}}{{- $top = max $top (int .rank) -}}{{- end -}}
+{{- $found := 0 -}}
+{{- range list 1 8 16 32 64 128 256 320 512 -}}
+{{- if and (not $found) (ge . $top) -}}{{- $found = . -}}{{- end -}}
+{{- end -}}
+{{- $found -}}
+{{- end -}}
+
+{{/* Where an engine reads an adapter: its `path`, or for a `hub` source the snapshot folder
+huggingface_hub makes for that commit in the model cache (HF_HOME/hub/models--<org>--<name>/
+snapshots/<commit>), which the engine preflight downloads before vLLM starts. */}}
+{{- define "pd-inference.loraPath" -}}
+{{- $a := .adapter -}}
+{{- if $a.hub -}}
+{{- printf "%s/hf/hub/models--%s/snapshots/%s" .ctx.Values.modelCache.mountPath (replace "/" "--" $a.hub.id) $a.hub.revision -}}
+{{- else -}}
+{{- $a.path -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The adapters' names (model.lora.adapters), as a JSON list: the router's model.adapters. */}}
+{{- define "pd-inference.loraNames" -}}
+{{- $names := list -}}
+{{- range .Values.model.lora.adapters -}}{{- $names = append $names .name -}}{{- end -}}
+{{- $names | toJson -}}
 {{- end -}}

@@ -57,6 +57,11 @@ spec:
         - --efa-devices={{ ternary (int $v.efa.devices) 0 $v.efa.enabled }}
         - --checked-vllm={{ index $.Chart.Annotations "pd-inference.io/checked-vllm" }}
         - --timeout-seconds={{ $v.engine.preflight.timeoutSeconds }}
+        {{- range $i, $a := $v.model.lora.adapters }}
+        {{- with $a.hub }}
+        - --lora-hub=model.lora.adapters[{{ $i }}].hub={{ .id }}@{{ .revision }}
+        {{- end }}
+        {{- end }}
         - --
         - vllm
         - serve

@@ -18,7 +18,7 @@ connector, and kvEvents the KV-cache event ports whether or not the engines publ
 -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" $port.listen "workers" (include "pd-inference.routerWorkers" . | int))
-  "model" (dict "servedName" $v.model.servedName "tokenizer" $v.model.routerTokenizer "reasoningParser" $v.model.reasoningParser "tokenizerHub" (dict
+  "model" (dict "servedName" $v.model.servedName "adapters" (include "pd-inference.loraNames" . | fromJsonArray) "tokenizer" $v.model.routerTokenizer "reasoningParser" $v.model.reasoningParser "tokenizerHub" (dict
     "repo" (ternary $v.model.name "" $v.model.routerTokenizerFromHub)
     "revision" ($v.model.revision | default "main")
     "endpoint" ($v.model.hubEndpoint | default (include "pd-inference.defaultHubEndpoint" .))

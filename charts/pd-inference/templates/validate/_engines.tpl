@@ -10,6 +10,9 @@
 {{- /* Flags and environment variables the chart sets (templates/engine/_args.tpl). vLLM
 accepts --a-b, --a_b, --a-b=v and -tp for --tensor-parallel-size. */ -}}
 {{- $flags := dict "host" "the chart (0.0.0.0)" "port" "ports.engineHttp" "served-model-name" "model.servedName" "revision" "model.revision" "tensor-parallel-size" (printf "%s.tensorParallelSize" $role) "max-model-len" "model.maxModelLen" "gpu-memory-utilization" (printf "%s.gpuMemoryUtilization" $role) "shutdown-timeout" (printf "%s.drainSeconds" $role) "kv-transfer-config" "kvTransfer" "model" "model.name" "reasoning-parser" "model.reasoningParser" "enable-auto-tool-choice" "model.toolCallParser" "tool-call-parser" "model.toolCallParser" -}}
+{{- range $flag := list "enable-lora" "max-loras" "max-cpu-loras" "max-lora-rank" "lora-modules" -}}
+{{- $_ := set $flags $flag "model.lora" -}}
+{{- end -}}
 {{- range $flag := list "nnodes" "node-rank" "master-addr" "headless" -}}
 {{- $_ := set $flags $flag (printf "%s.nodes" $role) -}}
 {{- end -}}

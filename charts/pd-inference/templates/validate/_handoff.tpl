@@ -17,6 +17,44 @@ versions.
 {{- end -}}
 {{- end -}}
 
+{{- /*
+LoRA adapters (model.lora, engine/_args.tpl loraArgs): what vLLM 0.31.0 would refuse at start,
+or serve wrong, named here. The schema has each adapter's fields.
+*/ -}}
+{{- define "pd-inference.validate.lora" -}}
+{{- $v := .Values -}}
+{{- $l := $v.model.lora -}}
+{{- $connector := include "pd-inference.connector" . | fromJson -}}
+{{- with $l.adapters -}}
+{{- if $connector.noLora -}}
+{{- fail (printf "model.lora.adapters: kvTransfer.connector %s cannot serve LoRA adapters: %s; use kvTransfer.connector: %s, or no adapters" $connector.name $connector.noLora (include "pd-inference.connectorsWhere" (dict "ctx" $ "fact" "noLora" "set" false))) -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $i, $a := . -}}
+{{- $field := printf "model.lora.adapters[%d]" $i -}}
+{{- if eq $a.name $v.model.servedName -}}
+{{- fail (printf "%s.name: %q is model.servedName; an adapter needs a name of its own (clients put it in `model`)" $field $a.name) -}}
+{{- end -}}
+{{- if hasKey $seen $a.name -}}
+{{- fail (printf "%s.name: %q is also model.lora.adapters[%d].name; each adapter needs a name of its own" $field $a.name (get $seen $a.name)) -}}
+{{- end -}}
+{{- $_ := set $seen $a.name $i -}}
+{{- if eq (empty $a.path) (empty $a.hub) -}}
+{{- fail (printf "%s: give exactly one source, `path` (a folder in the engine container) or `hub` ({id, revision})" $field) -}}
+{{- end -}}
+{{- if and $a.hub (not $v.engine.preflight.enabled) -}}
+{{- fail (printf "%s.hub: a hub adapter is downloaded at its pinned revision by the engine preflight (vLLM's own download takes no revision), which engine.preflight.enabled turns off; turn it on, or give a `path`" $field) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int $l.maxLoras) (len .) -}}
+{{- fail (printf "model.lora.maxLoras: %d slots for %d adapter(s); each slot reserves GPU memory for an adapter at --max-lora-rank, so at most %d" (int $l.maxLoras) (len .) (len .)) -}}
+{{- end -}}
+{{- if and (gt (int $l.maxCpuLoras) 0) (lt (int $l.maxCpuLoras) (int $l.maxLoras)) -}}
+{{- fail (printf "model.lora.maxCpuLoras: %d is below model.lora.maxLoras (%d), which vLLM refuses at start (max_cpu_loras must be at least max_loras); raise it, or 0 for every adapter" (int $l.maxCpuLoras) (int $l.maxLoras)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pd-inference.validate.layout" -}}
 {{- $v := .Values -}}
 {{- $connector := include "pd-inference.connector" . | fromJson -}}
