@@ -107,6 +107,13 @@ def test_shipped_configs_load(path: Path) -> None:
         ("timeouts: {clientHeaderSeconds: .nan}", "timeouts.clientHeaderSeconds"),
         ("timeouts: {clientHeaderSeconds: 'soon'}", "timeouts.clientHeaderSeconds"),
         ("limits: {queueTimeoutSeconds: .nan}", "limits.queueTimeoutSeconds"),
+        ("model: {adapters: 'sql'}", "model.adapters"),
+        ("model: {adapters: [7]}", "model.adapters[0]"),
+        ("model: {adapters: ['a=b']}", "model.adapters[0]"),
+        ("model: {adapters: ['x@kv-0123456789']}", "model.adapters[0]"),
+        ("model: {servedName: m, adapters: [m]}", "model.adapters[0]"),
+        ("model: {adapters: [a, b, a]}", "model.adapters[2]"),
+        ("{model: {adapters: [a]}, routing: {connector: lmcache}}", "model.adapters"),
     ],
 )
 def test_errors_name_the_field(tmp_path: Path, text: str, field: str) -> None:

@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from pd_router import balancing, hub_tokenizer, revision, tracing, wiring
+from pd_router.adapters import Names
 from pd_router.admission import Admission, Reject
 from pd_router.config import ConfigError, RouterConfig
 from pd_router.decide import Decider, Pools
@@ -82,7 +83,8 @@ class Router:
         self.outcomes = Outcomes(m)
         self.up = UpstreamClient(cfg.timeouts.connect_seconds)  # hot path
         self.stall = wiring.stall_watch(cfg, self.up, self.pools, m)
-        self.served_model = ServedModel(cfg.model.served_name)  # its cards, its context length
+        # its cards (and its adapters'), its context length
+        self.served_model = ServedModel(cfg.model.served_name, cfg.model.adapters)
         self.pairs = HandoffPairs(cfg.health)  # hand-off health per pair (pd_router.pairs)
         self.legs = Legs(
             cfg.timeouts,
@@ -96,6 +98,10 @@ class Router:
         self.costs = wiring.cost_model(cfg, m)
         self.decider = Decider(cfg.routing, self.counter, self.events, self.costs, self.pairs)
         self.decider.base_names = (cfg.model.served_name,)
+        self.decider.adapters = frozenset(cfg.model.adapters)
+        # the model names served (pd_router.adapters): the served one, adapters, revisions
+        self.names = Names(cfg.model.served_name, cfg.model.adapters)
+        m.models(self.names.labels)
         # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)
         self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
@@ -251,17 +257,22 @@ class Router:
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         name = request.match_info["model_id"]
-        if name != self.served:
+        if name != self.served and name not in self.names.adapters:
             return Response(status=404, body=model_not_found(name), content_type="application/json")
         cards, source = await self._model_cards()
+        card = next((c for c in cards if c.get("id") == name), None)
+        if card is None:  # an adapter no engine lists now
+            return Response(status=404, body=model_not_found(name), content_type="application/json")
         return Response(
-            body=orjson.dumps(self._with_revisions(cards[0])),
+            body=orjson.dumps(self._with_revisions(card)),
             content_type="application/json",
             headers={"x-pd-models-source": source},
         )
 
     async def _model_cards(self) -> tuple[list[dict[str, Any]], str]:
-        engines = [e for p in self.pools for e in p.healthy]
+        # decoders first: a decoder serves every request (whole or its decode leg), so the
+        # adapters listed are those a request can be served with
+        engines = list(dict.fromkeys([*self.decode.healthy, *self.prefill.healthy]))
         return await self.served_model.cards(self.up, engines, self.cfg.health.timeout_seconds)
 
     def _with_revisions(self, card: dict[str, Any]) -> dict[str, Any]:
@@ -430,10 +441,13 @@ class Router:
         if err:
             return error_response(400, err, "invalid_request_error")
         model = body.get("model")
-        if model is not None and model != self.served:
+        try:
+            ctx.wanted = self.names.wanted(model)
+        except KeyError:
             return Response(
                 status=404, body=model_not_found(model), content_type="application/json"
             )
+        ctx.model = self.names.label(model)
         if strip_handoff_fields(body):
             raw = orjson.dumps(body)
         ctx.raw = raw
@@ -473,7 +487,11 @@ class Router:
     async def _route(self, request: Request, ctx: Ctx) -> Answer:
         """decide -> the chosen route."""
         decider, out = self.decider, self.outcomes
-        pools = Pools(self.decode.healthy, self.prefill.healthy, ctx.affinity)
+        decoders, prefillers = self.decode.healthy, self.prefill.healthy
+        w = ctx.wanted
+        if w is not None:  # a LoRA adapter or a KV revision: only the engines that serve it
+            decoders, prefillers = w.engines(decoders), w.engines(prefillers)
+        pools = Pools(decoders, prefillers, ctx.affinity)
         tr = ctx.trace
         if tr is not None:
             tr.current = tr.span("decision")

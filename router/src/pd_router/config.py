@@ -82,6 +82,10 @@ class Model:
     # the engines' --reasoning-parser ("" = none): the LMCache route then serves chat requests
     # directly (their answers split reasoning from content, which its decode leg cannot)
     reasoning_parser: str = ""
+    # the LoRA adapters the engines serve beside the model (the chart's model.lora.adapters,
+    # by name): what a request may name in ``model`` besides ``servedName``, each sent only to
+    # engines that list it (pd_router.adapters); the bound on the ``model`` metric label
+    adapters: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -512,6 +516,33 @@ def _validate_goodput(cfg: RouterConfig) -> None:
             )
 
 
+# an adapter's name as the chart's schema takes it (model.lora.adapters[].name): no "@" (the
+# revisions' names), "=" or "," (vLLM's name=path form of --lora-modules)
+_ADAPTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+
+
+def _validate_adapters(cfg: RouterConfig) -> None:
+    names = cfg.model.adapters
+    for i, name in enumerate(names):
+        field_ = f"model.adapters[{i}]"
+        if not _ADAPTER_RE.fullmatch(name):
+            raise ConfigError(
+                f"{field_}: an adapter name is 1-128 letters, digits and . _ / - (starting with a "
+                f"letter or digit), got {name[:64]!r}"
+            )
+        if name == cfg.model.served_name:
+            raise ConfigError(f"{field_}: {name!r} is model.servedName; an adapter needs its own")
+        if name in names[:i]:
+            raise ConfigError(f"{field_}: {name!r} is listed twice")
+    conn = connectors.CONNECTORS[cfg.routing.connector]
+    if names and conn.no_lora:
+        able = connectors.names_where(lambda c: not c.no_lora)
+        raise ConfigError(
+            f"model.adapters: routing.connector {cfg.routing.connector!r} cannot serve LoRA "
+            f"adapters ({conn.no_lora}); use {able}"
+        )
+
+
 def _validate_connector(cfg: RouterConfig) -> None:
     """What the layout and the decision need of the connector (pd_router.connectors)."""
     name = cfg.routing.connector
@@ -536,6 +567,7 @@ def _validate(cfg: RouterConfig) -> None:
     if not cfg.model.served_name:
         raise ConfigError("model.servedName: must not be empty")
     _validate_tokenizer_hub(cfg.model)
+    _validate_adapters(cfg)
     _validate_routing(cfg)
     _validate_goodput(cfg)
     _validate_connector(cfg)

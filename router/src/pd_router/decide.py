@@ -135,6 +135,7 @@ class Decider:
         # the engines' KV events (routing.kvEvents): exact where an engine's picture is
         self.events = events if prefix else None
         self.base_names: tuple[str, ...] = ()  # the base model's names (not a LoRA adapter)
+        self.adapters: frozenset[str] = frozenset()  # the LoRA adapters served (model.adapters)
 
     async def decide(
         self, body: dict[str, Any], chat: bool, tokenize: Tokenize, pools: Pools
@@ -155,7 +156,7 @@ class Decider:
             return Decision(long, c.source, reason, c.tokens, c.exact, c.ids)
         # a text prompt by what it renders from, even when its ids are known: one key space
         # per prompt kind (pd_router.prefix.identity)
-        seed, data = identity(body, chat)
+        seed, data = identity(body, chat, self._adapter(body))
         if c.source == "tokens":
             blocks = index.of_ids(c.ids or [], seed)
         else:
@@ -192,7 +193,7 @@ class Decider:
         now = costs.clock()
         out = requested_max_tokens(body, chat)
         out = out if type(out) is int else None
-        seed, data = identity(body, chat)
+        seed, data = identity(body, chat, self._adapter(body))
         ids = None if chat else token_ids_prompt(body)
         if ids is not None:
             c = Count("tokens", len(ids), True, ids)
@@ -245,6 +246,12 @@ class Decider:
             held[dec.base], blocks, sources[dec.base], o.prefiller, o, held,
             self._meter(c.tokens, held, out, body, o),
         )  # fmt: skip
+
+    def _adapter(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter ``body`` names, or None: an adapter's KV is its own (vLLM hashes
+        its blocks with its name), so the prefix index keys it apart."""
+        model = body.get("model")
+        return model if model in self.adapters else None
 
     def _meter(
         self, tokens: int, held: dict[str, int], out: int | None, body: dict[str, Any], o: Option

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from pd_router import cache_info, kv_events, revision, weights
+from pd_router import adapters, cache_info, kv_events, revision, weights
 from pd_router.cache_info import CacheInfo
 from pd_router.config import Health, KvEvents, Pool
 
@@ -37,6 +37,7 @@ def _no_such_name(exc: OSError) -> bool:
 class Endpoint:
     __slots__ = (
         "active",
+        "adapters",
         "base",
         "cache",
         "consec_bad",
@@ -80,6 +81,8 @@ class Endpoint:
         self.revision: str | None = None
         # its revision's weight set (pd_router.weights): None = not known, pairs with none
         self.weights: int | None = 0
+        # the LoRA adapters its /v1/models lists (pd_router.adapters), read with its revision
+        self.adapters: frozenset[str] = frozenset()
         # where it publishes its KV events (pd_router.kv_events), when it does and may be heard
         self.events: kv_events.Source | None = None
         # whether cache and revision were read since it last went down (or was refused)
@@ -236,9 +239,9 @@ class EndpointPool:
         """Read what the engine says of itself: ``vllm:cache_config_info`` (None: it does not
         say, and the router claims none of its cache) and its revision (None: its
         ``/v1/models`` did not answer, and it pairs with nothing; asked again next check)."""
-        cache, rev, events, fp = await asyncio.gather(
+        cache, (rev, listed), events, fp = await asyncio.gather(
             self._ask_cache(ep),
-            self._ask_revision(ep),
+            self._ask_models(ep),
             self._ask_kv_events(ep),
             self._ask_weights(ep),
         )
@@ -249,12 +252,19 @@ class EndpointPool:
         if cache is None:
             log.info("pool %s: %s tells nothing of its KV cache", self.name, ep.base)
         was = ep.pairing
-        changed = rev != ep.revision
+        changed = rev != ep.revision or listed != ep.adapters
         ep.revision = rev
+        ep.adapters = listed
         ep.weights = self._place(ep, rev, fp)
         ep.learnt = rev is not None and ep.weights is not None
         if changed:
-            log.info("pool %s: %s serves KV revision %r", self.name, ep.base, rev)
+            log.info(
+                "pool %s: %s serves KV revision %r, LoRA adapters %s",
+                self.name,
+                ep.base,
+                rev,
+                sorted(listed) or "none",
+            )
         if (changed or ep.pairing != was) and ep.healthy:
             self._refresh_healthy()
 
@@ -346,24 +356,29 @@ class EndpointPool:
             log.warning("pool %s: %s %s: approximate prefix index", self.name, ep.base, why)
         return src
 
-    async def _ask_revision(self, ep: Endpoint) -> str | None:
+    async def _ask_models(self, ep: Endpoint) -> tuple[str | None, frozenset[str]]:
+        """(its revision, its LoRA adapters) from its ``/v1/models`` (revision None: no
+        answer, asked again next check)."""
         assert self._session is not None
+        none: frozenset[str] = frozenset()
         try:
             async with asyncio.timeout(self.health.timeout_seconds):
                 async with self._session.get(ep.base + "/v1/models") as resp:
                     if resp.status == 404:  # no models list: not vLLM, names no revision
-                        return revision.NONE
+                        return revision.NONE, none
                     if resp.status != 200:
                         log.warning(
                             "pool %s: %s/v1/models answered %d", self.name, ep.base, resp.status
                         )
-                        return None
-                    return revision.from_models(orjson.loads(await resp.read()), self.served)
+                        return None, none
+                    answer = orjson.loads(await resp.read())
+                    rev = revision.from_models(answer, self.served)
+                    return rev, adapters.listed(answer, self.served)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.warning("pool %s: %s/v1/models failed: %r", self.name, ep.base, exc)
         except ValueError as exc:  # orjson's error is one too
             log.warning("pool %s: %s/v1/models: %s", self.name, ep.base, exc)
-        return None
+        return None, none
 
     async def check_all(self, eps: list[Endpoint] | None = None) -> None:
         eps = list(self.endpoints.values()) if eps is None else eps

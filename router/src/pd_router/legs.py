@@ -273,6 +273,11 @@ class Legs:
         if not prefillers or (self.flexible and len(prefillers) < 2):
             raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
         decoders = self.decode_pool.healthy
+        w = ctx.wanted
+        if w is not None:  # a LoRA adapter or a KV revision (pd_router.adapters)
+            decoders, prefillers = w.engines(decoders), w.engines(prefillers)
+            if not prefillers or (self.flexible and len(prefillers) < 2):
+                raise Fallback("no_adapter_pair" if w.adapter is not None else "no_revision_pair")
         usable = self.pairs.usable if self.pairs.any_out else None
         chosen = balancing.pair(decoders, prefillers, ctx.decoder, ctx.affinity, preferred, usable)
         if chosen is None:
@@ -322,7 +327,10 @@ class Legs:
             prefer = ctx.decoder  # the decision's (it may hold the prompt's prefix)
         tries = _DecoderTries(data, retry_data, prefer, exclude)
         while True:
-            ep = tries.pick(self.decode_pool.healthy, ctx.affinity)
+            healthy = self.decode_pool.healthy
+            if ctx.wanted is not None:
+                healthy = ctx.wanted.engines(healthy)
+            ep = tries.pick(healthy, ctx.affinity)
             if ep is None:
                 raise tries.last or LegError.no_decoder()
             if tries.tried:
@@ -616,6 +624,8 @@ class Legs:
         msg = {503: "no healthy decoder available", 504: "upstream timed out"}.get(
             err.status, "upstream engine failed"
         )
+        if err.kind == "no_decoder" and ctx.wanted is not None:
+            msg = f"no healthy decoder serves {ctx.wanted.what()}"
         if err.status == 503:
             hdrs["Retry-After"] = "2"
         return down.error(err.status, msg, "upstream_error", hdrs)

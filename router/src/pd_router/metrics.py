@@ -45,6 +45,7 @@ FallbackReason = Literal[
     "unsupported_fields", "no_prefiller", "prefill_error", "prefill_timeout", "no_kv_params",
     "tokenize_error", "unknown_max_tokens", "notify_timeout", "decode_retry", "too_long",
     "reasoning_parser", "prefill_refused", "no_revision_pair", "weights_differ", "handoff_failing",
+    "no_adapter_pair",
 ]  # fmt: skip
 FALLBACK_REASONS: tuple[FallbackReason, ...] = get_args(FallbackReason)
 # ... of which the request is the cause, not a broken hand-off (the chart's
@@ -97,6 +98,15 @@ class Metrics:
         """What each request was and took: route, outcome, TTFT, gaps, end to end, its prompt."""
         self.requests = Counter(
             "pd_router_requests", "Requests by route and outcome", ["route", "outcome"], registry=r
+        )
+        # by the model a request named (the served model or a configured LoRA adapter:
+        # pd_router.adapters; bounded, never the client's own string), apart from
+        # pd_router_requests_total so that the alerts' and dashboards' series keep their labels
+        self.model_requests = Counter(
+            "pd_router_model_requests",
+            "Requests by the model they named (served model or LoRA adapter) and route",
+            ["model", "route"],
+            registry=r,
         )
         self.ttft = Histogram(
             "pd_router_ttft_seconds",
@@ -347,6 +357,12 @@ class Metrics:
             pool,
             weights.census(engines),
         )
+
+    def models(self, names: Sequence[str]) -> None:
+        """Preset pd_router_model_requests_total for the served model and its adapters."""
+        for name in names:
+            for route in ("direct", "disaggregated", "fallback"):
+                self.model_requests.labels(name, route)
 
     def _preset(self) -> None:
         """Every known label set at 0, so a series exists before its first event."""

@@ -10,6 +10,7 @@ and the endpoint list against vLLM 0.31.0, and the whole surface against vLLM 0.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import orjson
@@ -218,14 +219,22 @@ def model_card(model: str, max_model_len: int | None, created: int) -> dict[str,
     }
 
 
-def served_cards(answer: Any, model: str) -> list[dict[str, Any]]:
-    """The cards of ``model`` in an engine's /v1/models answer (a ``ModelList``), as the
-    engine wrote them; [] when there is none. LoRA adapters the engine lists are left out:
-    the router serves ``model.servedName`` only."""
+def served_cards(answer: Any, model: str, adapters: Collection[str] = ()) -> list[dict[str, Any]]:
+    """The cards of ``model`` and of its LoRA ``adapters`` (those whose ``parent`` is
+    ``model``: pd_router.adapters) in an engine's /v1/models answer (a ``ModelList``), as the
+    engine wrote them, the model's first; [] when it lists no card of ``model``. Other names
+    the engine serves (its KV revisions', adapters the router was not told of) are left out."""
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
         return []
-    return [c for c in data if isinstance(c, dict) and c.get("id") == model]
+    own = [c for c in data if isinstance(c, dict) and c.get("id") == model]
+    if not own:
+        return []
+    return own + [
+        c
+        for c in data
+        if isinstance(c, dict) and c.get("id") in adapters and c.get("parent") == model
+    ]
 
 
 def sse_error(message: str, etype: str = "upstream_error", code: int = 502) -> bytes:

@@ -89,12 +89,15 @@ def _bytes(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
-def identity(body: dict[str, Any], chat: bool) -> tuple[int, bytes]:
+def identity(body: dict[str, Any], chat: bool, adapter: str | None = None) -> tuple[int, bytes]:
     """(seed, stream): what the engine's prompt starts with and then holds, as far as the
-    router can tell without rendering the template (module docstring)."""
+    router can tell without rendering the template (module docstring); ``adapter``: the LoRA
+    adapter it is for (None: the base model), whose blocks are its own."""
     seed = 0
     salt = body.get("cache_salt")
     keys: list[bytes] = [_bytes(salt)] if salt is not None else []
+    if adapter is not None:
+        keys.append(b"lora" + _US + adapter.encode())
     if not chat:
         p = body.get("prompt")
         text = p if isinstance(p, str) else "\n".join(x for x in p or () if isinstance(x, str))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pd_router.adapters import Wanted
 from pd_router.connectors import CONNECTORS
 from pd_router.costs import Job, Meter
 from pd_router.discovery import Endpoint
@@ -64,6 +65,7 @@ class Ctx:
         "ids",
         "job",
         "meter",
+        "model",
         "outcome",
         "path",
         "predicted",
@@ -82,6 +84,7 @@ class Ctx:
         "t_first",
         "trace",
         "trace_id",
+        "wanted",
     )
 
     def __init__(
@@ -128,6 +131,10 @@ class Ctx:
         self.meter: Meter | None = None
         self.job: Job | None = None
         self.t_decided = 0.0
+        # what its engines must serve (pd_router.adapters: a LoRA adapter, a KV revision the
+        # client named); None: any engine. ``model``: its pd_router_model_requests_total label
+        self.wanted: Wanted | None = None
+        self.model = ""
 
     # -------------------------------------------------- what the client got (legs.Downstream)
     # The outcome follows from what reached the client, recorded by the Downstream that sent
@@ -171,6 +178,7 @@ class Outcomes:
         m = self.metrics = metrics
         # bound children, found once per label set (labels() takes a lock and builds a key)
         self._requests: dict[tuple[str, str], Any] = {}
+        self._models: dict[tuple[str, str], Any] = {}
         self._decisions: dict[tuple[str, str], Any] = {}
         self._estimates: dict[str, Any] = {}
         self._hist = {r: (m.ttft.labels(r), m.itl.labels(r), m.e2e.labels(r)) for r in ROUTES}
@@ -199,6 +207,13 @@ class Outcomes:
         if c is None:
             c = self._requests[key] = self.metrics.requests.labels(*key)
         c.inc()
+        if ctx.model:
+            m = self._models.get((ctx.model, ctx.route))
+            if m is None:
+                m = self._models[(ctx.model, ctx.route)] = self.metrics.model_requests.labels(
+                    ctx.model, ctx.route
+                )
+            m.inc()
         if ctx.outcome == "client_disconnect":
             self.metrics.client_disconnects.inc()
         hist = self._hist.get(ctx.route)

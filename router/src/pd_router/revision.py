@@ -59,6 +59,15 @@ def from_models(answer: Any, served: str) -> str:
     return found.pop() if found else NONE
 
 
+def of_alias(name: str, served: str) -> str | None:
+    """The revision ``name`` is the served model's name of (``alias``), or None."""
+    prefix = served + SEPARATOR
+    if not name.startswith(prefix):
+        return None
+    rev = name[len(prefix) :]
+    return rev if _REVISION.fullmatch(rev) else None
+
+
 def pairs(prefill: str | None, decode: str | None) -> bool:
     """Whether a prefiller of revision ``prefill`` may hand KV to a decoder of ``decode``."""
     return prefill is not None and prefill == decode

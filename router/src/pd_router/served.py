@@ -28,8 +28,9 @@ ASKED = 2  # engines asked for their cards, decoders first, before the router an
 
 
 class ServedModel:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, adapters: Sequence[str] = ()) -> None:
         self.name = name  # model.servedName
+        self.adapters = frozenset(adapters)  # model.adapters: their cards are listed too
         self.max_model_len: int | None = None  # unknown until an engine says it
         self._cards: list[dict[str, Any]] = []  # the last good answer
         self._ok = False  # whether the last ask got one
@@ -77,7 +78,9 @@ class ServedModel:
                 async with asyncio.timeout(t):
                     r = await up.get(ep.host, ep.port, ep.tls, "/v1/models", b"", t, t)
                     raw = await r.read_release()
-                cards = served_cards(orjson.loads(raw), self.name) if r.status == 200 else []
+                cards = []
+                if r.status == 200:
+                    cards = served_cards(orjson.loads(raw), self.name, self.adapters)
             except (*UPSTREAM_ERRORS, orjson.JSONDecodeError) as exc:
                 log.warning("GET %s/v1/models failed: %r", ep.base, exc)
                 continue

@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         default=[],
         help="a further served name (vLLM --served-model-name: its later names); repeatable",
     )
+    p.add_argument(
+        "--lora-module",
+        action="append",
+        default=[],
+        help="a LoRA adapter's name (vLLM --lora-modules; its answers are its own); repeatable",
+    )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--kv-connector", choices=["none", "nixl", "lmcache"], default="none")
     p.add_argument("--lmcache-role", choices=["sender", "receiver"], default="sender")
@@ -115,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         port=a.port,
         model=a.model,
         aliases=tuple(a.alias),
+        lora_modules=tuple(a.lora_module),
         max_model_len=a.max_model_len,
         kv_connector=a.kv_connector,
         lmcache_role=a.lmcache_role,

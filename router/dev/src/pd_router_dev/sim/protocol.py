@@ -417,6 +417,7 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
     return_token_ids: bool = False
+    model: str | None = None  # the name the request gave (a LoRA adapter's, or a served one)
 
 
 def max_n() -> int:
@@ -575,6 +576,7 @@ def parse(
         kv_transfer_params=kv,
         request_id=request_id,
         return_token_ids=bool(return_ids),
+        model=mdl or None,
     )
 
 

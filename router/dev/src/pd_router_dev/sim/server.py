@@ -53,6 +53,7 @@ import hashlib
 import json
 import time
 import uuid
+import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,10 @@ class SimConfig:
     # further served names (vLLM ``--served-model-name A B ...``: every name is accepted and
     # listed in /v1/models, the first is the one answers carry; serve/engine/serving.py 0.31)
     aliases: tuple[str, ...] = ()
+    # LoRA adapters (vLLM --lora-modules, the served model their base): accepted in ``model``,
+    # listed in /v1/models with ``parent``, answers of their own (other "weights") that carry
+    # the adapter's name (entrypoints/openai/models/serving.py, 0.31.0)
+    lora_modules: tuple[str, ...] = ()
     max_model_len: int = 32768
     kv_connector: str = "none"  # none | nixl | lmcache
     lmcache_role: str = "sender"  # sender | receiver
@@ -194,7 +199,8 @@ class SimEngine:
         if cfg.vllm_version not in P.VERSIONS:
             raise ValueError(f"vllm_version must be one of {P.VERSIONS}")
         self.cfg = cfg
-        self.names = (cfg.model, *cfg.aliases)  # every served name; answers carry the first
+        # every name served: answers carry the first, or the adapter's
+        self.names = (cfg.model, *cfg.aliases, *cfg.lora_modules)
         self.engine_id = cfg.engine_id or uuid.uuid4().hex[:12]
         self.state: dict[str, Any] = {"fault": cfg.fault, "fault_count": -1}
         caching = cfg.prefix_cache_tokens // BLOCK_SIZE > 1
@@ -283,7 +289,11 @@ class SimEngine:
         # base model, ``root`` its path, one default ModelPermission
         # (entrypoints/serve/engine/protocol.py ModelCard / ModelPermission)
         now = int(time.time())
-        cards = [self._card(name, now) for name in self.names]
+        cards = [self._card(name, now) for name in (self.cfg.model, *self.cfg.aliases)]
+        for name in self.cfg.lora_modules:  # after the base names, in load order
+            card = self._card(name, now)
+            card.update(root=f"/adapters/{name}", parent=self.cfg.model, max_model_len=None)
+            cards.append(card)
         return _json({"object": "list", "data": cards})
 
     def _card(self, name: str, now: int) -> dict[str, Any]:
@@ -574,7 +584,7 @@ class SimEngine:
                     stop_token_ids=req.stop_token_ids,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     choice=j,
-                    weights=c.weights_seed,
+                    weights=c.weights_seed + _adapter_seed(req.model, c.lora_modules),
                 )
         return run
 
@@ -672,6 +682,11 @@ class SimEngine:
             self._spawn(self._lmcache_send(ctx.lmcache_spec, req.prompts[0], first))
         return _json(self._full_response(ctx, run, kv_out))
 
+    def _answer_model(self, req: P.Request) -> str:
+        """The ``model`` an answer carries: the adapter's name for an adapter's request, else
+        the first served name (vLLM 0.31.0 OpenAIServingModels.model_name)."""
+        return req.model if req.model in self.cfg.lora_modules else self.cfg.model
+
     def _full_response(self, ctx: Ctx, run: Run, kv_out: dict[str, Any] | None) -> dict[str, Any]:
         """completion/serving.py request_output_to_completion_response and
         chat_completion/serving.py chat_completion_full_generator (0.31), as model_dump()
@@ -721,7 +736,7 @@ class SimEngine:
             "id": ctx.rid,
             "object": "chat.completion" if req.chat else "text_completion",
             "created": ctx.created,
-            "model": self.cfg.model,
+            "model": self._answer_model(req),
             "choices": choices,
             "service_tier": None,
             "system_fingerprint": ctx.fingerprint,
@@ -750,7 +765,7 @@ class SimEngine:
             "id": ctx.rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": ctx.created,
-            "model": self.cfg.model,
+            "model": self._answer_model(req),
         }
         n_prompt = [len(p) for p in req.prompts]
         n_tok = [0] * len(run.seqs)
@@ -855,7 +870,7 @@ class SimEngine:
             "id": ctx.rid,
             "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": ctx.created,
-            "model": self.cfg.model,
+            "model": self._answer_model(req),
         }
         out = b""
         if req.chat:
@@ -1017,3 +1032,11 @@ async def serve(cfg: SimConfig, port_file: str | None = None) -> None:
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
+
+
+def _adapter_seed(model: str | None, adapters: tuple[str, ...]) -> int:
+    """Another "weights" for an adapter's requests: its answers differ from the base model's
+    and from every other adapter's, the same on every engine that serves it."""
+    if model is None or model not in adapters:
+        return 0
+    return zlib.crc32(model.encode()) | 1
