@@ -8,6 +8,7 @@ import pytest
 
 from tests import helm
 from tests.cases import LAYERINGS, LMCACHE, model_name
+from tests.engines.rendered import chart_says_lora
 
 # `container` is unused here: tests/test_ports_and_policies.py still imports it (and lmcache_config)
 # from this module, until it imports them from tests.manifests.
@@ -149,6 +150,9 @@ def test_no_retired_or_unknown_lmcache_key_anywhere(h4: Path, name: str) -> None
         return
     if helm.find(helm.render(h4, LAYERINGS[name]), "LeaderWorkerSet"):  # multi-node engines
         assert result.returncode != 0 and "lmcache serves one-node engines" in result.stderr
+        return
+    if chart_says_lora(LAYERINGS[name]):  # LoRA adapters (LMCache's key leaves them out)
+        assert result.returncode != 0 and "lmcache cannot serve LoRA adapters" in result.stderr
         return
     assert result.returncode == 0, result.stderr
     for key in RETIRED_KEYS | NEVER_RENDERED:

@@ -32,13 +32,18 @@ def chart_says_multi_node(files: tuple[str, ...]) -> bool:
     return "kvTransfer.connector lmcache serves one-node engines" in lmcache_refusal(files)
 
 
-# Every layering switched to LMCache where the chart accepts that (not for a hybrid model, nor
-# multi-node engines), plus the LMCache shapes no environment uses yet: TP 4, the notification
+def chart_says_lora(files: tuple[str, ...]) -> bool:
+    """... or because it serves LoRA adapters (LMCache's cache key leaves the adapter out)."""
+    return "lmcache cannot serve LoRA adapters" in lmcache_refusal(files)
+
+
+# Every layering switched to LMCache where the chart accepts that (not for a hybrid model,
+# multi-node engines or LoRA adapters), plus the LMCache shapes no environment uses yet: TP 4, the notification
 # sidecar, extraConfig.
 LMCACHE_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     f"{name} (lmcache)": (files, FORCE_LMCACHE)
     for name, files in LAYERINGS.items()
-    if not chart_says_hybrid(files) and not chart_says_multi_node(files)
+    if not chart_says_hybrid(files) and not chart_says_multi_node(files) and not chart_says_lora(files)
 }
 LMCACHE_RENDERS["scenario:lmcache tp4"] = ((LMCACHE,), ("prefill.tensorParallelSize=4", "decode.tensorParallelSize=4"))
 LMCACHE_RENDERS["scenario:lmcache sidecar"] = ((LMCACHE,), ("kvTransfer.lmcache.notificationReceiver=prefillSidecar",))
@@ -64,6 +69,34 @@ REAL_ONLY_RENDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # and both engines export to a collector (its address here a placeholder the tier replaces).
 TRACING_SETS = ("tracing.endpoint=http://otel-collector.observability.svc:4317",)
 REAL_ONLY_RENDERS["env:dev traced"] = (LAYERINGS["env:dev"], TRACING_SETS)
+# ... and the dev environment serving LoRA adapters (tests/real_engine/test_real_lora.py), their
+# paths under tests/real_engine/engines.LORA_MOUNT: both adapters, and the first alone (an engine
+# of a rollout that adds the second, not yet replaced).
+LORA_ADAPTERS = ("sql-expert", "support-bot")
+
+
+def lora_sets(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(
+        f"model.lora.adapters[{i}].{key}"
+        for i, name in enumerate(names)
+        for key in (f"name={name}", "rank=8", f"path=/models/adapters/{name}")
+    )
+
+
+REAL_ONLY_RENDERS["env:dev lora"] = (LAYERINGS["env:dev"], lora_sets(LORA_ADAPTERS))
+REAL_ONLY_RENDERS["env:dev lora one"] = (LAYERINGS["env:dev"], lora_sets(LORA_ADAPTERS[:1]))
+# Adapters from both sources, for vLLM's own parsers (tests/engines/test_engine_vllm_cli.py).
+ENGINE_RENDERS["scenario:lora adapters"] = (
+    LAYERINGS["env:dev"],
+    (
+        *lora_sets(LORA_ADAPTERS),
+        "model.lora.adapters[2].name=acme/support-v2",
+        "model.lora.adapters[2].rank=64",
+        "model.lora.adapters[2].hub.id=acme/support-lora",
+        f"model.lora.adapters[2].hub.revision={'3' * 40}",
+        "model.lora.maxLoras=2",
+    ),
+)
 # Multi-node shapes no values file uses (the Llama 3.1 405B profile is tensor parallel across two
 # nodes): data + expert parallel decode of a mixture-of-experts model across two nodes, and a
 # one-node engine of two data-parallel ranks.

@@ -79,13 +79,16 @@ class Pairs:
         self.kind: tuple[str, str] | None = None
         self.pair: dict[str, engines.Engine] = {}
 
-    def get(self, kind: str, render: str = engines.RENDER, otlp: str = "") -> dict[str, engines.Engine]:
-        """The pair of model ``kind`` as ``render`` renders it (``otlp``: its collector)."""
-        if self.kind != (kind, render):
+    def get(
+        self, kind: str, render: str = engines.RENDER, otlp: str = "", decode_render: str = ""
+    ) -> dict[str, engines.Engine]:
+        """The pair of model ``kind`` as ``render`` renders it (``otlp``: its collector), the
+        decoder as ``decode_render`` does when given (two releases of one rollout)."""
+        if self.kind != (kind, render + "|" + decode_render):
             self.stop()
             pair = [
                 engines.engine("prefill", kind, 0, self.workdir, render=render, otlp=otlp),
-                engines.engine("decode", kind, 1, self.workdir, render=render, otlp=otlp),
+                engines.engine("decode", kind, 1, self.workdir, render=decode_render or render, otlp=otlp),
             ]
             try:
                 for e in pair:
@@ -95,7 +98,7 @@ class Pairs:
                 for e in pair:
                     e.stop()
                 raise
-            self.kind, self.pair = (kind, render), {e.role: e for e in pair}
+            self.kind, self.pair = (kind, render + "|" + decode_render), {e.role: e for e in pair}
         return self.pair
 
     def flexible(self, kind: str) -> list[engines.Engine]:

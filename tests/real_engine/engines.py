@@ -19,6 +19,7 @@ The changes, and why (one list; everything else is the chart's):
   with the engine stack's Python, and execs the engine as in the pod;
 - ``--revision`` left out: the model is a local folder, whose weights are its revision (a second
   weight set in another folder stands for another revision);
+- each LoRA adapter's path (``--lora-modules``) the local folder of one made here (adapter());
 - ``--enforce-eager`` (no torch.compile on two cores) and, for the float32 dense model,
   ``--dtype float32`` (vLLM's CPU platform would run it in bfloat16, where greedy answers can
   tie);
@@ -92,6 +93,49 @@ def model(kind: str, weights: int = 0) -> Path:
             req = {"out": str(out), "kind": kind, "seed": 0, "weights_seed": weights}
             made = stack.run("tiny_model.py", req, timeout=600)
             (out / ".done").write_text(json.dumps(made))
+    return out
+
+
+LORA_SCRIPT = HARNESS / "tiny_lora.py"
+# Where the chart renders the tier's adapters (rendered.LORA_SETS: model.lora.adapters[].path),
+# each replaced by its local folder (:func:`adapter`), as --model is by the tiny model's
+LORA_MOUNT = "/models/adapters/"
+LORA_RANK = 8
+
+
+def adapter(name: str) -> Path:
+    """The LoRA adapter ``name`` for the tiny dense model (harness/tiny_lora.py), made once per
+    version of the model's and the adapter's generators from a seed its name gives (a cache, as
+    :func:`model`'s)."""
+    digest = hashlib.sha256(MODEL_SCRIPT.read_bytes() + LORA_SCRIPT.read_bytes()).hexdigest()[:12]
+    out = MODELS / digest / f"lora-{name}"
+    if (out / ".done").is_file():
+        return out
+    base = model("dense")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".done").is_file():
+            seed = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+            req = {"out": str(out), "base": str(base), "seed": seed, "rank": LORA_RANK}
+            made = stack.run("tiny_lora.py", req, timeout=600)
+            (out / ".done").write_text(json.dumps(made))
+    return out
+
+
+def _local_adapters(args: list[str]) -> list[str]:
+    """``args`` with each ``--lora-modules`` item's path under ``LORA_MOUNT`` replaced by the
+    adapter's local folder (the items: the JSON arguments that follow the flag)."""
+    out, inside = [], False
+    for a in args:
+        if inside and a.startswith("{"):
+            item = json.loads(a)
+            assert item["path"].startswith(LORA_MOUNT), item
+            item["path"] = str(adapter(item["path"].removeprefix(LORA_MOUNT)))
+            a = json.dumps(item)
+        else:
+            inside = a == "--lora-modules"
+        out.append(a)
     return out
 
 
@@ -278,7 +322,7 @@ def cpu_command(
     ``model_path``: the ``--model`` to give instead of ``kind``'s folder (a link to it);
     ``host``: the loopback address it listens on (HTTP and NIXL's side channel)."""
     version, build = cpu_build()
-    args = list(e.args)
+    args = _local_adapters(list(e.args))
     assert not args[0].startswith("-"), args
     out: list[str] = [f"--model={model_path or model(kind, weights)}"]
     it = iter(args[1:])
