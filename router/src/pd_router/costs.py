@@ -138,6 +138,58 @@ class Fit:
         return self.a + self.b * x
 
 
+def _accumulate(m: list[list[float]], v: list[float], f: Sequence[float], y: float) -> None:
+    """Fold the sample ``(f, y)`` into the forgetting sums ``m`` (symmetric: each product
+    once) and ``v``."""
+    d = FORGET
+    k = len(v)
+    for i in range(k):
+        fi = f[i]
+        v[i] = v[i] * d + fi * y
+        row = m[i]
+        for j in range(i, k):
+            e = row[j] * d + fi * f[j]
+            row[j] = m[j][i] = e
+
+
+def _accumulate3(m: list[list[float]], v: list[float], f: Sequence[float], y: float) -> None:
+    d = FORGET
+    f0, f1, f2 = f
+    r0, r1, r2 = m
+    v[0] = v[0] * d + f0 * y
+    v[1] = v[1] * d + f1 * y
+    v[2] = v[2] * d + f2 * y
+    r0[0] = r0[0] * d + f0 * f0
+    r0[1] = r1[0] = r0[1] * d + f0 * f1
+    r0[2] = r2[0] = r0[2] * d + f0 * f2
+    r1[1] = r1[1] * d + f1 * f1
+    r1[2] = r2[1] = r1[2] * d + f1 * f2
+    r2[2] = r2[2] * d + f2 * f2
+
+
+def _accumulate4(m: list[list[float]], v: list[float], f: Sequence[float], y: float) -> None:
+    d = FORGET
+    f0, f1, f2, f3 = f
+    r0, r1, r2, r3 = m
+    v[0] = v[0] * d + f0 * y
+    v[1] = v[1] * d + f1 * y
+    v[2] = v[2] * d + f2 * y
+    v[3] = v[3] * d + f3 * y
+    r0[0] = r0[0] * d + f0 * f0
+    r0[1] = r1[0] = r0[1] * d + f0 * f1
+    r0[2] = r2[0] = r0[2] * d + f0 * f2
+    r0[3] = r3[0] = r0[3] * d + f0 * f3
+    r1[1] = r1[1] * d + f1 * f1
+    r1[2] = r2[1] = r1[2] * d + f1 * f2
+    r1[3] = r3[1] = r1[3] * d + f1 * f3
+    r2[2] = r2[2] * d + f2 * f2
+    r2[3] = r3[2] = r2[3] * d + f2 * f3
+    r3[3] = r3[3] * d + f3 * f3
+
+
+_ACCUMULATE = {3: _accumulate3, 4: _accumulate4}
+
+
 class Ridge:
     """Least squares over a few features with :class:`Fit`'s forgetting, each coefficient held
     towards its prior like ``weight`` samples at its feature's scale. That hold fades by
@@ -149,7 +201,7 @@ class Ridge:
     the others fitted to a value it no longer has (a negative intercept absorbed by the
     per-step cost: every short prompt predicted slower by that much)."""
 
-    __slots__ = ("beta", "beta0", "firm", "floor", "m", "n", "pending", "pw", "v")
+    __slots__ = ("accumulate", "beta", "beta0", "firm", "floor", "m", "n", "pending", "pw", "v")
 
     def __init__(
         self, beta0: Sequence[float], floor: Sequence[float], firm: Sequence[int] = ()
@@ -164,20 +216,14 @@ class Ridge:
         self.v = [0.0] * k
         self.pw = PRIOR_WEIGHT
         self.pending = False  # samples added that the coefficients do not reflect yet
+        # every sample of every call adds here (a prefill's twice, the pooled fit's too):
+        # unrolled for the fits' sizes, a third of the loop's time
+        self.accumulate = _ACCUMULATE.get(k, _accumulate)
 
     def observe(self, f: Sequence[float], y: float, solve: bool = True) -> None:
         """One sample: features ``f``, value ``y``; ``solve``: the coefficients follow now,
         else at the next :meth:`solve` (``pending`` until then)."""
-        d = FORGET
-        m, v = self.m, self.v
-        k = len(v)
-        for i in range(k):  # the symmetric sums, each product once
-            fi = f[i]
-            v[i] = v[i] * d + fi * y
-            row = m[i]
-            for j in range(i, k):
-                e = row[j] * d + fi * f[j]
-                row[j] = m[j][i] = e
+        self.accumulate(self.m, self.v, f, y)
         self.pw *= PRIOR_FADE
         self.n += 1
         self.pending = True
@@ -470,6 +516,7 @@ class EngineCosts:
         "arrivals",
         "base",
         "chunk",
+        "chunk_size",
         "clock",
         "decoding",
         "gaps_d",
@@ -516,6 +563,7 @@ class EngineCosts:
         # vLLM's max_num_batched_tokens: not said by the engine, nor learnt (the gaps a prompt
         # stretches show its chunks' cost, not where vLLM cut them); seed.chunkTokens sets it
         self.chunk = float(seed.chunk_tokens or PRIOR_CHUNK_TOKENS)
+        self.chunk_size = max(16.0, self.chunk)  # a step's prompt tokens, as counted
         self.slow = Rate(self.tau)  # slow steps per second the prefills placed here cause
         # the calls the decisions placed here per second (decayed over the window, as of
         # arrival_t), by the TTFT slack they were placed with (their bound less their
@@ -554,7 +602,8 @@ class EngineCosts:
         return self.q_tokens
 
     def steps_of(self, tokens: int) -> int:
-        return max(1, math.ceil(tokens / max(16.0, self.chunk)))
+        size = self.chunk_size
+        return 1 if tokens <= size else math.ceil(tokens / size)
 
     def refresh(self, now: float) -> None:
         """Fold the gaps counted since the last decision into the decayed sums; move the
@@ -647,8 +696,12 @@ class EngineCosts:
         return p.b * self.q_tokens + p.q * self.q_sq + p.c * self.q_steps
 
     def step_seconds(self, streams: int) -> float:
-        """A decode step with ``streams`` streams, as the other engines' work makes it now."""
-        return self.step(streams, self.model.others_busy(self))
+        """A decode step with ``streams`` streams, as the other engines' work makes it now
+        (``StepFit.__call__`` at ``CostModel.others_busy``, inlined: a decision asks it a
+        dozen times)."""
+        m, st = self.model, self.step
+        busy = (m.busy - (1 if self.jobs else 0)) * m.others_scale
+        return (st.s0 + st.s1 * streams) * (1.0 + st.crowding * busy)
 
     step_now = step_seconds
 
@@ -709,7 +762,7 @@ class EngineCosts:
         whose chunks all fit well within the bound stretches nothing, one near it a fraction
         of a step."""
         bound = math.log(self.itl_bound)
-        size = max(16.0, self.chunk)
+        size = self.chunk_size
         if tokens <= 0:
             return 0.0
         if tokens <= size:  # one chunk (most prompts): its step alone
