@@ -67,6 +67,7 @@ import yaml
 from pd_router_dev import (
     decision_cost,
     fastengine,
+    goodput_cost,
     kv_events_cost,
     mixed,
     multiturn,
@@ -1114,9 +1115,12 @@ def render(
     if multiturn_rows:
         lines += _multiturn_table(multiturn_rows, extra)
     kv_rows = [r for r in cost_rows or () if r["kind"].startswith("kv_events")]
-    cost_rows = [r for r in cost_rows or () if not r["kind"].startswith("kv_events")]
+    gp_rows = [r for r in cost_rows or () if r["kind"] == "goodput_decision_cost"]
+    cost_rows = [r for r in cost_rows or () if r["kind"] == "decision_cost"]
     if cost_rows:
         lines += _decision_cost_table(cost_rows)
+    if gp_rows:
+        lines += goodput_cost.table(gp_rows)
     if kv_rows:
         lines += kv_events_cost.table(kv_rows)
     if profile_rows:
@@ -1303,6 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_decision_cost:
         say("bench: the routing decision's cost, in this process")
         cost_rows = decision_cost.run(a.decision_cost_runs, say)
+        cost_rows += goodput_cost.run(log=say)
     if not a.no_kv_events_cost:
         say("bench: the KV-cache events' cost, in this process")
         cost_rows += kv_events_cost.run(log=say)
