@@ -23,32 +23,47 @@ NOWHERE = "not-loaded"  # configured in the router, served by no engine
 
 
 class Lora:
+    """Two prefillers and two decoders: the first prefiller and the first decoder hold the
+    adapter ``BOTH`` from one path, the second prefiller from another (a new version of it,
+    mid-roll), the second decoder no adapter at all; only the first decoder holds
+    ``DECODER_ONLY``."""
+
     def __init__(self, stack: Stack) -> None:
-        self.prefill = stack.sim("lr-prefill", "--kv-connector", "nixl", "--lora-module", BOTH)
-        self.decode = stack.sim(
-            "lr-decode",
-            "--kv-connector",
-            "nixl",
-            "--lora-module",
-            BOTH,
-            "--lora-module",
-            DECODER_ONLY,
+        nixl = ("--kv-connector", "nixl")
+        self.prefill = stack.sim("lr-prefill", *nixl, "--lora-module", BOTH)
+        self.prefill_v2 = stack.sim(
+            "lr-prefill-v2", *nixl, "--lora-module", f"{BOTH}=/adapters/{BOTH}-v2"
         )
+        self.decode = stack.sim(
+            "lr-decode", *nixl, "--lora-module", BOTH, "--lora-module", DECODER_ONLY
+        )
+        self.decode_bare = stack.sim("lr-decode-bare", *nixl)
         cfg: dict[str, Any] = {
             "model": {"servedName": MODEL, "adapters": [BOTH, DECODER_ONLY, NOWHERE]},
             "routing": {"connector": "nixl", "threshold": 0, "decision": "length"},
             "pools": {
-                "prefill": {"discovery": "static", "static": [self.prefill.url()]},
-                "decode": {"discovery": "static", "static": [self.decode.url()]},
+                "prefill": {
+                    "discovery": "static",
+                    "static": [self.prefill.url(), self.prefill_v2.url()],
+                },
+                "decode": {
+                    "discovery": "static",
+                    "static": [self.decode.url(), self.decode_bare.url()],
+                },
             },
             "timeouts": {"prefillSeconds": 3, "firstByteSeconds": 3, "streamIdleSeconds": 5},
         }
         self.router: Proc = stack.router("lr-router", write_config(stack.workdir, "lr-router", cfg))
         # admitted once each engine's /v1/models was read (its adapters with its revision)
-        wait_until(self._admitted, "the router to admit both engines")
+        wait_until(self._admitted, "the router to admit the four engines")
 
     def _admitted(self) -> bool:
-        return metric_value(self.router.url(), "pd_router_healthy_endpoints") >= 2
+        return metric_value(self.router.url(), "pd_router_healthy_endpoints") >= 4
+
+    @staticmethod
+    def models_asked(engine: Proc) -> set[str]:
+        _, _, raw = http_call(engine.url() + "/sim/requests")
+        return {r["body"].get("model") for r in json.loads(raw)}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +102,19 @@ def test_an_adapter_both_engines_serve_is_handed_off_and_answers_as_the_adapter(
     base, _, _ = _chat(lr.decode.url(), MODEL, stream)
     assert text == whole
     assert text != base  # the negative control: an adapter answers otherwise
+
+
+def test_an_adapters_engines_are_those_that_list_it_and_hold_one_version_of_it(lr: Lora) -> None:
+    for i in range(6):
+        _, model, h = _chat(lr.router.url(), BOTH, i % 2 == 1)
+        assert (h["x-pd-route"], model) == ("disaggregated", BOTH), h.get("x-pd-reason")
+    # the negative controls of both filters: the engines left out were there to be chosen
+    # (base-model requests reach them) and never got the adapter's
+    for _ in range(4):
+        _chat(lr.router.url(), MODEL, False)
+    assert BOTH not in lr.models_asked(lr.prefill_v2)  # its version of the adapter differs
+    assert not lr.models_asked(lr.decode_bare) & {BOTH, DECODER_ONLY}  # it lists none
+    assert MODEL in lr.models_asked(lr.decode_bare) | lr.models_asked(lr.prefill_v2)
 
 
 def test_an_adapter_no_prefiller_serves_is_served_whole_by_a_decoder_that_does(lr: Lora) -> None:
@@ -136,8 +164,8 @@ def test_v1_models_lists_the_model_and_its_adapters_with_their_parent(lr: Lora) 
     status, _, raw = http_call(lr.router.url() + "/v1/models")
     assert status == 200
     cards = {c["id"]: c for c in json.loads(raw)["data"]}
-    # the decoder's list (decoders are asked first): the adapters it serves, not the one no
-    # engine loaded, and not the revisions' own names
+    # a decoder's list (decoders are asked first): the adapters it serves (the first decoder
+    # answers first), not the one no engine loaded, and not the revisions' own names
     assert set(cards) == {MODEL, BOTH, DECODER_ONLY}
     assert cards[BOTH]["parent"] == cards[DECODER_ONLY]["parent"] == MODEL
     assert cards[MODEL]["parent"] is None

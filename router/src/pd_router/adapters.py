@@ -24,7 +24,7 @@ name counts as the served name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,14 +86,38 @@ class Names:
         return model if isinstance(model, str) and model in self.adapters else self.served
 
 
-def listed(answer: Any, served: str) -> frozenset[str]:
+def listed(answer: Any, served: str) -> dict[str, str]:
     """The adapters of ``served`` in an engine's ``/v1/models`` answer (cards whose ``parent``
-    is the served name); empty for an answer that lists none (or is not a model list)."""
+    is the served name), each with its ``root``: the path the engine loaded it from, which the
+    chart makes the adapter's version (a hub adapter's folder names its commit); empty for an
+    answer that lists none (or is not a model list)."""
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
-        return frozenset()
-    return frozenset(
-        c["id"]
+        return {}
+    return {
+        c["id"]: str(c.get("root"))
         for c in data
         if isinstance(c, dict) and c.get("parent") == served and isinstance(c.get("id"), str)
-    )
+    }
+
+
+def same_adapter(adapter: str) -> Callable[[Endpoint, Endpoint], bool]:
+    """Whether a prefiller and a decoder hold one version of ``adapter`` (one ``root``): while
+    pods roll to a new version under the same name, an old prefiller's KV would be decoded by
+    a new adapter (NixlConnector never checks), and those blocks kept in the decoder's prefix
+    cache under the new version's hashes."""
+
+    def same(prefiller: Endpoint, decoder: Endpoint) -> bool:
+        return prefiller.adapters.get(adapter) == decoder.adapters.get(adapter)
+
+    return same
+
+
+Usable = Callable[["Endpoint", "Endpoint"], bool]
+
+
+def both(first: Usable | None, second: Usable) -> Usable:
+    """A pair ``first`` (None: any) and ``second`` both allow."""
+    if first is None:
+        return second
+    return lambda p, d: first(p, d) and second(p, d)

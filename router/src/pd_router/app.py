@@ -15,6 +15,7 @@ request: ``Outcomes.finish`` counts, times and the access line logs it, however 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -271,8 +272,11 @@ class Router:
 
     async def _model_cards(self) -> tuple[list[dict[str, Any]], str]:
         # decoders first: a decoder serves every request (whole or its decode leg), so the
-        # adapters listed are those a request can be served with
+        # adapters listed are those a request can be served with; those that list the most
+        # adapters first (mid-roll, one that lacks the newest would hide it)
         engines = list(dict.fromkeys([*self.decode.healthy, *self.prefill.healthy]))
+        if self.names.adapters:
+            engines.sort(key=lambda e: -len(e.adapters.keys() & self.names.adapters))
         return await self.served_model.cards(self.up, engines, self.cfg.health.timeout_seconds)
 
     def _with_revisions(self, card: dict[str, Any]) -> dict[str, Any]:
@@ -482,6 +486,8 @@ class Router:
                 ctx.raw = orjson.dumps(body)
             ctx.body = body
             ctx.stream = body.get("stream") is True
+            with contextlib.suppress(KeyError):  # a name not served: the engine answers it
+                ctx.wanted = self.names.wanted(body.get("model"))  # an adapter's engines only
         return None
 
     async def _route(self, request: Request, ctx: Ctx) -> Answer:

@@ -74,7 +74,7 @@ def pair(
 
     # a flexible pool passes its one list as both (every engine in both roles)
     split = decoders is not prefillers
-    if hint is not None and hint.pairing in keys and paired(hint):
+    if hint is not None and hint.pairing in keys and hint in decoders and paired(hint):
         dec: Endpoint | None = hint
     elif split and usable is None and len(keys) == 1 and all(d.pairing in keys for d in decoders):
         dec = pick(decoders, decode_load, affinity_key)  # one revision live: the common case

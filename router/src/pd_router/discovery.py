@@ -81,8 +81,9 @@ class Endpoint:
         self.revision: str | None = None
         # its revision's weight set (pd_router.weights): None = not known, pairs with none
         self.weights: int | None = 0
-        # the LoRA adapters its /v1/models lists (pd_router.adapters), read with its revision
-        self.adapters: frozenset[str] = frozenset()
+        # the LoRA adapters its /v1/models lists, each with the path it loaded it from
+        # (pd_router.adapters), read with its revision
+        self.adapters: dict[str, str] = {}
         # where it publishes its KV events (pd_router.kv_events), when it does and may be heard
         self.events: kv_events.Source | None = None
         # whether cache and revision were read since it last went down (or was refused)
@@ -356,11 +357,11 @@ class EndpointPool:
             log.warning("pool %s: %s %s: approximate prefix index", self.name, ep.base, why)
         return src
 
-    async def _ask_models(self, ep: Endpoint) -> tuple[str | None, frozenset[str]]:
+    async def _ask_models(self, ep: Endpoint) -> tuple[str | None, dict[str, str]]:
         """(its revision, its LoRA adapters) from its ``/v1/models`` (revision None: no
         answer, asked again next check)."""
         assert self._session is not None
-        none: frozenset[str] = frozenset()
+        none: dict[str, str] = {}
         try:
             async with asyncio.timeout(self.health.timeout_seconds):
                 async with self._session.get(ep.base + "/v1/models") as resp:

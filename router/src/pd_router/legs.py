@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from pd_router import balancing, http1, revision
+from pd_router import adapters, balancing, http1, revision
 from pd_router.config import Timeouts
 from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
@@ -273,17 +273,23 @@ class Legs:
         if not prefillers or (self.flexible and len(prefillers) < 2):
             raise Fallback("no_prefiller")  # (flexible: an engine never prefills for itself)
         decoders = self.decode_pool.healthy
+        usable = healthy_pairs = self.pairs.usable if self.pairs.any_out else None
         w = ctx.wanted
         if w is not None:  # a LoRA adapter or a KV revision (pd_router.adapters)
             decoders, prefillers = w.engines(decoders), w.engines(prefillers)
             if not prefillers or (self.flexible and len(prefillers) < 2):
                 raise Fallback("no_adapter_pair" if w.adapter is not None else "no_revision_pair")
-        usable = self.pairs.usable if self.pairs.any_out else None
+            if w.adapter is not None:  # and one version of it on both sides
+                usable = adapters.both(healthy_pairs, adapters.same_adapter(w.adapter))
         chosen = balancing.pair(decoders, prefillers, ctx.decoder, ctx.affinity, preferred, usable)
         if chosen is None:
             if not decoders:
                 raise LegError.no_decoder()
-            if usable is not None and balancing.pair(decoders, prefillers) is not None:
+            if usable is not healthy_pairs and balancing.pair(
+                decoders, prefillers, usable=healthy_pairs
+            ):
+                raise Fallback("no_adapter_pair")  # the adapter's versions differ (a roll)
+            if healthy_pairs is not None and balancing.pair(decoders, prefillers) is not None:
                 raise Fallback("handoff_failing")  # every pair there is failed lately
             # no decoder of a live prefiller's revision, or only of other weights under it
             revs = {p.revision for p in prefillers if p.pairing is not None}

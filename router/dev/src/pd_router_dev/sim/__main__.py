@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         "--lora-module",
         action="append",
         default=[],
-        help="a LoRA adapter's name (vLLM --lora-modules; its answers are its own); repeatable",
+        help="a LoRA adapter, NAME or NAME=PATH (vLLM --lora-modules; its answers are its own, "
+        "its card's root PATH, default /adapters/NAME); repeatable",
     )
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--kv-connector", choices=["none", "nixl", "lmcache"], default="none")
@@ -121,7 +122,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str | None]:
         port=a.port,
         model=a.model,
         aliases=tuple(a.alias),
-        lora_modules=tuple(a.lora_module),
+        lora_modules=tuple(m.partition("=")[0] for m in a.lora_module),
+        lora_roots=tuple(m.partition("=")[2] or f"/adapters/{m}" for m in a.lora_module),
         max_model_len=a.max_model_len,
         kv_connector=a.kv_connector,
         lmcache_role=a.lmcache_role,

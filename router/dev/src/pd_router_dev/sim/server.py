@@ -113,6 +113,7 @@ class SimConfig:
     # listed in /v1/models with ``parent``, answers of their own (other "weights") that carry
     # the adapter's name (entrypoints/openai/models/serving.py, 0.31.0)
     lora_modules: tuple[str, ...] = ()
+    lora_roots: tuple[str, ...] = ()  # each adapter's path (its card's ``root``)
     max_model_len: int = 32768
     kv_connector: str = "none"  # none | nixl | lmcache
     lmcache_role: str = "sender"  # sender | receiver
@@ -290,9 +291,10 @@ class SimEngine:
         # (entrypoints/serve/engine/protocol.py ModelCard / ModelPermission)
         now = int(time.time())
         cards = [self._card(name, now) for name in (self.cfg.model, *self.cfg.aliases)]
-        for name in self.cfg.lora_modules:  # after the base names, in load order
+        roots = self.cfg.lora_roots or tuple(f"/adapters/{n}" for n in self.cfg.lora_modules)
+        for name, root in zip(self.cfg.lora_modules, roots, strict=True):  # in load order
             card = self._card(name, now)
-            card.update(root=f"/adapters/{name}", parent=self.cfg.model, max_model_len=None)
+            card.update(root=root, parent=self.cfg.model, max_model_len=None)
             cards.append(card)
         return _json({"object": "list", "data": cards})
 
