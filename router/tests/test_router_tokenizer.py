@@ -97,6 +97,22 @@ def test_local_tokenizer_decides_the_route(env: Env) -> None:
     assert _token_sum(r) == sum0 + expected
 
 
+def test_a_decoder_that_cannot_count_is_replaced_by_a_prefiller(env: Env) -> None:
+    """The decoder's /tokenize fails (a stalled decoder's too, once the stall watch ejects it):
+    the prefiller counts the prompt, exactly, before the estimate is settled for."""
+    long_ = " ".join([WORD] * 30)
+    r = env.engine
+    before, sum0 = _sources(r), _token_sum(r)
+    set_fault(env.decode, "tokenize_error")
+    try:
+        assert _complete(r, long_)[0] == "direct"
+    finally:
+        set_fault(env.decode, "none")
+    after = _sources(r)
+    assert after["engine"] == before["engine"] + 1 and after["estimate"] == before["estimate"]
+    assert _token_sum(r) == sum0 + 31  # BOS + one a word: the prefiller's exact count
+
+
 def test_engine_tokenize_then_estimate(env: Env) -> None:
     long_ = " ".join([WORD] * 30)
     r = env.engine

@@ -32,7 +32,7 @@ from pd_router.adapters import Names
 from pd_router.admission import Admission, Reject
 from pd_router.config import ConfigError, RouterConfig
 from pd_router.decide import Decider, Pools
-from pd_router.discovery import EndpointPool
+from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import TokenizeError
 from pd_router.handoff import DirectRoute, Route, build_route, run
 from pd_router.http1 import Answer, BodyError, HttpServer, Request, Response, Routes
@@ -556,18 +556,28 @@ class Router:
         tr.current = tr.root
 
     async def _engine_count(self, ctx: Ctx, body: dict[str, Any], chat: bool) -> list[int]:
-        """The decision's exact count when no local tokenizer exists: an engine's /tokenize."""
-        ep = balancing.pick(self.decode.healthy, balancing.decode_load) or balancing.pick(
-            self.prefill.healthy, balancing.prefill_load
-        )
-        if ep is None:
+        """The decision's exact count when no local tokenizer exists: an engine's /tokenize, a
+        decoder's, then a prefiller's if that fails (a stalled decoder, ejected by the stall
+        watch, would otherwise turn every long prompt asked meanwhile into a tokenize_error
+        served whole, on no decoder)."""
+        tried: list[Endpoint] = []
+        for pool, load in (
+            (self.decode, balancing.decode_load),
+            (self.prefill, balancing.prefill_load),
+        ):
+            ep = balancing.pick([e for e in pool.healthy if e not in tried], load)
+            if ep is None:
+                continue
+            tried.append(ep)
+            try:
+                return await self.legs.tokenize(ctx, ep, body, chat)
+            except TokenizeError as exc:
+                self.outcomes.upstream("decode", "tokenize")
+                log.warning("tokenize failed: %s", exc, extra={"request_id": ctx.rid})
+                error = exc
+        if not tried:
             raise TokenizeError("no healthy engine to count the prompt")
-        try:
-            return await self.legs.tokenize(ctx, ep, body, chat)
-        except TokenizeError as exc:
-            self.outcomes.upstream("decode", "tokenize")
-            log.warning("tokenize failed: %s", exc, extra={"request_id": ctx.rid})
-            raise
+        raise error
 
 
 def _load_json(raw: bytes) -> Any:
