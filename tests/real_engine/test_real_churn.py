@@ -189,14 +189,20 @@ def test_churn_a_decoder_killed_with_a_hand_off_pending(
     ``kv_lease_duration`` in the connector's extra config, 30 s by default,
     ``nixl/base_worker.py``). The client gets an OpenAI error (no other decoder), the prefiller
     lives on, and a new decoder on the address is paired again."""
-    prompt = text("churn-handoff-pending", LONG_WORDS)
+    # token ids, not text: the router would ask an engine's /tokenize for a text's count, and
+    # that may be the decoder held still (then ejected by the stall watch: no pair to prefill for)
+    status, tokenized, _ = engines.post(
+        pd["decode"].url, "/tokenize", {"model": model_name, "prompt": text("churn-handoff-pending", LONG_WORDS)}
+    )
+    assert status == 200, tokenized
+    prompt = tokenized["tokens"]
     until("a hand-off of the load: a handshake held", lambda: load.handshakes_before_fault() > 0)
     with ThreadPoolExecutor(1) as pool:
         with load.short_only():  # until the kill, the prefiller's one prefill leg is this prompt's
             before = prefills(pd["prefill"])
             pd["decode"].signal(signal.SIGSTOP)
             load.fault()
-            asked = pool.submit(ask, router.url(), model_name, True, prompt, False)
+            asked = pool.submit(ask, router.url(), model_name, False, prompt, False)
             until("the prefiller answers its prefill leg", lambda: prefills(pd["prefill"]) > before)
             pd["decode"].signal(signal.SIGKILL)
         t0 = time.monotonic()
