@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import yaml
@@ -38,9 +39,11 @@ class Routers:
         env: dict[str, str] | None = None,
         sets: tuple[str, ...] = (),
         render: str = engines.RENDER,
+        admitted: bool = True,
     ) -> Proc:
         """A router from ``render``'s router.yaml; ``prefill`` empty: a flexible layout's
-        (its one pool is ``decode``)."""
+        (its one pool is ``decode``). ``admitted``: returned once it has admitted every engine
+        given (:func:`wait_admitted`); False where one is meant to be down."""
         self.n += 1
         name = f"router-{self.n}"
         config = self.workdir / f"{name}.yaml"
@@ -66,7 +69,10 @@ class Routers:
             "PD_ROUTER__ROUTING__KVEVENTS__REPLAYPORT": "0",
             **(env or {}),
         }
-        return self.stack.router(name, config, {**os.environ, **over})
+        router = self.stack.router(name, config, {**os.environ, **over})
+        if admitted:
+            wait_admitted(router, {"prefill": len(prefill), "decode": len(decode)})
+        return router
 
     def mark(self) -> int:
         """Where the routers started from now on begin (for :meth:`stop_since`)."""
@@ -81,3 +87,32 @@ class Routers:
 
     def stop(self) -> None:
         self.stack.stop()
+
+
+ADMIT_SECONDS = 120.0  # an engine's first request (the weights probe) takes seconds on a busy CPU
+
+
+def admitted(router: Proc) -> dict[str, float]:
+    """The router's healthy engines per pool whose revision and weights it has read: those it
+    pairs (``pd_router_weight_set_endpoints``, "unknown" left out)."""
+    out: dict[str, float] = {}
+    for labels, v in engines.samples(engines.metrics_text(router.url()), "pd_router_weight_set_endpoints"):
+        if "unknown" not in (labels["revision"], labels["weights"]):
+            out[labels["pool"]] = out.get(labels["pool"], 0) + v
+    return out
+
+
+def wait_admitted(router: Proc, want: dict[str, int]) -> None:
+    """Until ``router`` pairs ``want``'s engines per pool. A router writes its port after one
+    round of checks, but a check or weights probe that ran past its timeout (an engine's first
+    request, on a machine CI's other worker keeps busy) admits that engine a check later: a test
+    asking at once would be served whole by the engine left, not by the route it asserts."""
+    want = {pool: n for pool, n in want.items() if n}
+    deadline = time.monotonic() + ADMIT_SECONDS
+    got: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        got = admitted(router)
+        if all(got.get(pool, 0) == n for pool, n in want.items()):
+            return
+        time.sleep(0.2)  # polling the router's own health checks, with a deadline
+    raise AssertionError(f"the router admitted {got}, not {want}:\n{router.log_tail()}")

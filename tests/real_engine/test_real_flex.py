@@ -239,7 +239,8 @@ def test_flex_engine_killed_mid_handoff_ends_right_or_clean(
             timeout=300,
         )
         dead = [e for e in flex if e.popen is not None and e.popen.poll() is not None]
-        assert len(dead) == 1, "the prefilling engine was killed"
+        armed = [engines.post(p.url(), "/tamper", {"mode": "pass"})[1]["done"] for p in proxies]
+        assert len(dead) == 1, ("the prefilling engine was killed", status, hdrs, armed)
         if status == 200:
             assert (hdrs["x-pd-route"], hdrs["x-pd-reason"]) == ("fallback", "decode_retry"), hdrs
             assert body["choices"][0]["message"]["content"] == base.text

@@ -109,7 +109,7 @@ def test_kv_events_hybrid_estimate_is_what_every_group_holds(
     state of its own announced), so there the estimate falls short, never above."""
     dec = hybrid["decode"]
     assert cache_info(dec)["mamba_cache_mode"] == "align"
-    alone = routers.start([f"http://127.0.0.1:{engines.free_port()}"], [dec.url], kind="hybrid")
+    alone = routers.start([f"http://127.0.0.1:{engines.free_port()}"], [dec.url], kind="hybrid", admitted=False)
     try:
         until("the decoder heard", lambda: metric(alone, STATE, pool="decode", state="exact") == 1)
         served = chat_turns(alone, dec, [dec], model_name, "hybrid-on-the-decoder")

@@ -49,6 +49,9 @@ from tests.real_engine.routers import Routers
 RENDERS = tuple(rendered.REAL_ONLY_RENDERS)  # the dev environment at model revisions 0 and 1
 OLD = [text(f"revision-old-{i}", LONG_WORDS) for i in range(3)]
 NEW = [text(f"revision-new-{i}", LONG_WORDS) for i in range(3)]
+# first asked after the rollout: the others may all sit in a rolled decoder's prefix cache then
+# (disaggregated to it in state 2), served there whole; these must be disaggregated
+LATE = [text(f"revision-late-{i}", LONG_WORDS) for i in range(2)]
 SHORT = [text(f"revision-short-{i}", SHORT_WORDS) for i in range(2)]
 LEARN_SECONDS = 120  # the router's health checks run every second here
 
@@ -189,8 +192,8 @@ def rollout(pairs: Pairs, routers: Routers, workdir: Path, model_name: str) -> I
         fleet.replace("decode-0", 1)
         wait_learnt(url, {kv[1]: 1}, {kv[1]: 2})
         d0 = fleet.pods["decode-0"]
-        out.refs[kv[1]] = {q: colocated(d0.url, model_name, True, q).text for q in OLD + NEW + SHORT}
-        state(3, [(q, True) for q in OLD + NEW] + [(q, False) for q in SHORT])
+        out.refs[kv[1]] = {q: colocated(d0.url, model_name, True, q).text for q in OLD + NEW + LATE + SHORT}
+        state(3, [(q, True) for q in OLD + NEW + LATE] + [(q, False) for q in SHORT])
         yield out
     finally:
         if router is not None:
@@ -229,6 +232,8 @@ def test_revision_pairing_never_hands_kv_across_revisions(rollout: Rollout) -> N
     for n, rev in ((0, kv0), (3, kv1)):
         got = {(x.route, x.kv_revision) for x in by_state[n] if (x.route, x.reason) != cached}
         assert got == {("disaggregated", rev)}, (n, got)
+    late = [a.answer for a in rollout.asked if a.prompt in LATE and a.answer is not None]
+    assert [(x.route, x.kv_revision) for x in late] == [("disaggregated", kv1)] * len(LATE), late
     # the prefiller rolled, no decoder yet: no pair, every long prompt served directly (counted,
     # the prompts first seen now among them), none disaggregated
     unpaired = [x for x in by_state[1] if (x.route, x.reason) != cached]
