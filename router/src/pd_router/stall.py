@@ -1,11 +1,16 @@
 """Stalled engines (``health.stallSeconds``): found within seconds, not at a request's timeout.
 
-An engine that has calls waiting on it and has sent the router nothing for ``stallSeconds`` is
-asked its health check (``health.path`` within ``health.timeoutSeconds``). If that fails too,
-the engine is stalled (its processes stopped, a frozen host, a path that drops packets without
-a reset): it is ejected at once, as after passive failures (``health.ejectionSeconds``, doubled
-with each ejection in a row, then re-admitted by its checks), and every call waiting on it fails
-now with :class:`pd_router.upstream.EngineStalled`, a timeout. So a decoder leg that sent the
+An engine that has calls waiting on it and has sent the router nothing for ``stallSeconds``
+while its health check (``health.path`` within ``health.timeoutSeconds``) failed is stalled.
+The check is asked ``timeoutSeconds`` before the silence reaches ``stallSeconds``, so that its
+timeout runs out as the silence does: a stall is found ``stallSeconds`` after the engine's last
+byte (plus a look's period), not ``stallSeconds + timeoutSeconds`` (5 + 2 s by default: with
+the check asked after the silence, the real-engine churn test's in-flight requests took up to
+10.3 s to end, 2026-12-07, against issue 36's 10 s). A stalled engine (its processes stopped, a
+frozen host, a path that drops packets without a reset) is ejected at once, as after passive
+failures (``health.ejectionSeconds``, doubled with each ejection in a row, then re-admitted by
+its checks), and every call waiting on it fails now with
+:class:`pd_router.upstream.EngineStalled`, a timeout. So a decoder leg that sent the
 client nothing is retried on another decoder, a prefill falls back to serving whole, and a
 stream already relayed ends with its error event, instead of each waiting out
 ``firstByteSeconds`` or ``streamIdleSeconds`` (300 s and 120 s by default).
@@ -30,8 +35,8 @@ from pd_router.upstream import EngineStalled, UpstreamClient
 
 log = logging.getLogger("pd_router.stall")
 
-# Looks per stallSeconds: a stall is found within stallSeconds x (1 + 1/LOOKS) plus the check.
-LOOKS = 5
+# Looks per stallSeconds: a stall is found within stallSeconds x (1 + 1/LOOKS).
+LOOKS = 10
 
 
 class StallWatch:
@@ -47,6 +52,8 @@ class StallWatch:
         self.up = up
         self.pools = pools
         self.seconds = health.stall_seconds
+        # the check is asked this long into the silence: its timeout ends with stallSeconds
+        self.ask_after = max(0.0, self.seconds - health.timeout_seconds)
         self.period = min(1.0, self.seconds / LOOKS)
         self.on_stall = on_stall  # told the pool's name of each stall found
         # per engine (host, port, tls): (its count of what it sent and was sent, since when)
@@ -60,7 +67,8 @@ class StallWatch:
             self.look(time.monotonic())
 
     def look(self, now: float) -> None:
-        """Start a health check of each engine silent for ``stallSeconds`` with calls waiting."""
+        """Start a health check of each engine silent with calls waiting for ``stallSeconds``
+        less the check's timeout."""
         where: dict[tuple[str, int, bool], list[tuple[EndpointPool, Endpoint]]] = {}
         for pool in self.pools:
             for ep in list(pool.endpoints.values()):
@@ -70,9 +78,9 @@ class StallWatch:
             quiet = self._quiet.get(key)
             if not waiting or quiet is None or quiet[0] != heard:
                 self._quiet[key] = (heard, now)
-            elif now - quiet[1] >= self.seconds and key not in self._asking:
+            elif now - quiet[1] >= self.ask_after and key not in self._asking:
                 self._asking.add(key)
-                task = asyncio.get_running_loop().create_task(self._ask(held, key, heard))
+                task = asyncio.get_running_loop().create_task(self._ask(held, key, heard, quiet[1]))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         for key in self._quiet.keys() - where.keys():
@@ -83,24 +91,31 @@ class StallWatch:
         held: list[tuple[EndpointPool, Endpoint]],
         key: tuple[str, int, bool],
         heard: int,
+        since: float,
     ) -> None:
-        """Ask the engine (in each pool that holds it) its health check; stalled, eject it
-        from each and fail what waits on it."""
+        """Ask the engine (in each pool that holds it) its health check; failed, and silent
+        ``stallSeconds`` since ``since`` (waited for, if the check failed before: a refused
+        connection fails at once), eject it from each and fail what waits on it."""
         pool, ep = held[0]
         try:
             ok = await pool.probe(ep)
+            if not ok:
+                left = since + self.seconds - time.monotonic()
+                if left > 0:
+                    await asyncio.sleep(left)  # the rest of the silence that makes a stall
+            waiting, now_heard = self.up.waiting_on(*key)
+            if ok or now_heard != heard or not waiting:
+                self._quiet[key] = (now_heard, time.monotonic())  # alive: another stallSeconds
+                return
+            for pool, ep in held:
+                why = f"silent {self.seconds:g} s with calls waiting, its health check failed"
+                pool.eject(ep, why)
+                self.on_stall(pool.name)
+            failed = self.up.abort(*key, EngineStalled(f"engine {ep.base} stalled"))
+            self._quiet.pop(key, None)
+            log.warning("%s stalled: %d calls on it failed", ep.base, failed)
         finally:
             self._asking.discard(key)
-        waiting, now_heard = self.up.waiting_on(*key)
-        if ok or now_heard != heard or not waiting:
-            self._quiet[key] = (now_heard, time.monotonic())  # alive: another stallSeconds
-            return
-        for pool, ep in held:
-            pool.eject(ep, f"silent {self.seconds:g} s with calls waiting, its health check failed")
-            self.on_stall(pool.name)
-        failed = self.up.abort(*key, EngineStalled(f"engine {ep.base} stalled"))
-        self._quiet.pop(key, None)
-        log.warning("%s stalled: %d calls on it failed", ep.base, failed)
 
     def stop(self) -> None:
         for t in self._tasks:
