@@ -639,6 +639,14 @@ def test_upstream_4xx_passed_through_unchanged(nx: Nixl, router: Proc) -> None:
     req["messages"][0]["content"] = long_text()
     s_router, b_router, _ = post_json(router.url() + "/v1/chat/completions", req)
     assert s_router == 400 and b_router["error"]["type"] == "BadRequestError"
+    # a long prompt of token ids, one outside the vocabulary: vLLM refuses it at generation
+    # start, so the prefill leg's 400 is the answer, word for word (it was a 200 once)
+    ids = {"prompt": [*range(1000, 1600), 10**6], "max_tokens": 4}
+    s_direct, b_direct, _ = post_json(nx.decoders[0].url() + "/v1/completions", ids)
+    s_router, b_router, h_router = post_json(router.url() + "/v1/completions", ids)
+    assert s_direct == s_router == 400 and b_router == b_direct
+    assert b_router["error"]["message"] == "Token id 1000000 is out of vocabulary"
+    assert (h_router["x-pd-route"], h_router["x-pd-reason"]) == ("fallback", "prefill_refused")
     with pytest.raises(openai.BadRequestError):
         client(router).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1

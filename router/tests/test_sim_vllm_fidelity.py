@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router_dev.sim import engine as E
 from pd_router_dev.sim import model as M
+from pd_router_dev.sim import protocol as P
 from pd_router_dev.sim.__main__ import parse_args
 from pd_router_dev.sim.metrics import VllmMetrics
 from pd_router_dev.sim.server import SimConfig, build_app
@@ -761,3 +762,86 @@ def test_cli_options() -> None:
     assert (cfg.vllm_version, cfg.max_num_batched_tokens, cfg.max_num_seqs) == ("0.31", 8192, 1024)
     with pytest.raises(SystemExit):
         parse_args(["--vllm-version", "0.11"])
+
+
+def test_logprobs_in_vllms_shapes_alike_on_each_engine_of_one_weights() -> None:
+    """Chat's ``content`` entries and completions' four lists (tests/real_engine/
+    test_real_sim_differential.py compares the shapes with vLLM's); the figures are the
+    weights' own: two engines of one weights give the same, other weights others."""
+    body = {"prompt": "hi there", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+
+    async def main() -> None:
+        async with sim() as (c, _), sim() as (c2, _), sim(weights_seed=7) as (other, _):
+            status, a = await post(c, CMPL, body)
+            assert status == 200
+            lp = a["choices"][0]["logprobs"]
+            assert list(lp) == ["text_offset", "token_logprobs", "tokens", "top_logprobs"]
+            assert len(lp["tokens"]) == 3
+            assert "".join(lp["tokens"]) == a["choices"][0]["text"]
+            assert lp["text_offset"] == [
+                0,
+                len(lp["tokens"][0]),
+                len(lp["tokens"][0]) + len(lp["tokens"][1]),
+            ]
+            for tok, best, top in zip(
+                lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+            ):
+                assert len(top) == 2 and top[tok] == best == max(top.values()) < 0
+            assert (await post(c2, CMPL, body))[1]["choices"][0]["logprobs"] == lp
+            assert (await post(other, CMPL, body))[1]["choices"][0]["logprobs"] != lp
+            chat = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "logprobs": True,
+            }
+            _, a = await post(c, CHAT, {**chat, "top_logprobs": 3})
+            (first, _) = a["choices"][0]["logprobs"]["content"]
+            assert list(first) == ["token", "logprob", "bytes", "top_logprobs"]
+            assert (
+                first["bytes"] == list(first["token"].encode()) and len(first["top_logprobs"]) == 3
+            )
+            _, a = await post(c, CHAT, chat)  # logprobs without top_logprobs: none listed
+            assert [e["top_logprobs"] for e in a["choices"][0]["logprobs"]["content"]] == [[], []]
+            _, streamed = await post(c, CHAT, {**chat, "top_logprobs": 3, "stream": True})
+            entries = [ch["choices"][0]["logprobs"] for ch in streamed[1:-1] if ch["choices"]]
+            # the stream's entries are the whole answer's, one per chunk
+            whole = [e["token"] for e in a["choices"][0]["logprobs"]["content"]]
+            assert [e["content"][0]["token"] for e in entries] == whole
+
+    run(main)
+
+
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+OVER_20 = "Requested sample logprobs of 21, which is greater than max allowed: 20"
+REFUSED = [
+    (CHAT, {"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."
+     " (parameter=top_logprobs)"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, OVER_20 + " (parameter=logprobs, value=21)"),
+    (CHAT, {"tools": TOOLS}, '"auto" tool choice requires --enable-auto-tool-choice and '
+     "--tool-call-parser to be set"),
+    (CHAT, {"tools": TOOLS, "tool_choice": "required"},
+     'tool_choice="required" requires --tool-call-parser to be set'),
+    (CHAT, {"messages": []}, P.EMPTY_CONVERSATION),
+    (CMPL, {"prompt": [1, M.VOCAB_SIZE]}, f"Token id {M.VOCAB_SIZE} is out of vocabulary"),
+    (CMPL, {"prompt": [], "logprobs": 21}, OVER_20 + " (parameter=logprobs, value=21)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "message"), REFUSED)
+def test_what_vllm_refuses_of_logprobs_tools_and_prompts(
+    path: str, body: dict[str, Any], message: str
+) -> None:
+    """Each in vLLM 0.31's words (read from its CPU build's answers); the last: the logprobs
+    limit comes before the empty prompt, both found at generation start."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {}
+
+    async def main() -> None:
+        async with sim() as (c, _):
+            status, got = await post(c, path, {**base, "max_tokens": 2, **body})
+            assert (status, got["error"]["message"], got["error"]["type"]) == (
+                400,
+                message,
+                "BadRequestError",
+            )
+
+    run(main)

@@ -23,8 +23,9 @@ Two answers match when, both carrying logprobs, at least ``COMMON`` of their top
 shared with logprobs within ``TOLERANCE`` nats and their first tokens are the same or each in
 the other's top (a near tie may swap from one batch to the next): engines on the same weights
 agree to rounding (other GPUs, another batch), other weights (another seed, a fine-tune) share
-almost nothing of a top 5 over a vocabulary of thousands. Engines that return no logprobs (the
-simulator) are compared on the token alone.
+almost nothing of a top 5 over a vocabulary of thousands (the simulator's figures, drawn from
+its weights' seed, behave alike). Engines that return no logprobs are compared on the token
+alone.
 
 The probe waits up to ``PROBE_SECONDS`` (or ``health.timeoutSeconds`` if longer): it is often an
 engine's first request, which on vLLM's CPU build took 2.4-3 s (its warm-up) against 20 ms

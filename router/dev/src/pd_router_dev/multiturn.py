@@ -68,7 +68,7 @@ import orjson
 
 from pd_router_dev.devstack import Stack, static_pools
 from pd_router_dev.mixed import _pct, _router_config, _sim_args, _wait_ready
-from pd_router_dev.sim.server import KV_BYTES_PER_TOKEN
+from pd_router_dev.sim.metrics import KV_BYTES_PER_TOKEN
 
 MODEL = "llama-3.3-70b"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

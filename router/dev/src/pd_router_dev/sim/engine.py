@@ -200,6 +200,7 @@ class Event:
     text: str  # text released by this token (stop-string hold-back applied)
     finish: str | None
     stop_reason: int | str | None
+    state: int = 0  # the sequence's state before this token (model.top_logprobs)
 
 
 class Run:
@@ -270,6 +271,7 @@ class Seq:
         "prompt_len",
         "run",
         "scheduled_ts",
+        "states",
         "stop_ids",
         "stop_reason",
         "text",
@@ -317,6 +319,7 @@ class Seq:
         self.n_cached_blocks = 0  # of them, how many are cached (num_cached_block)
         self.n_out = 0
         self.tokens: list[int] = []
+        self.states: list[int] = []  # the state before each token (model.top_logprobs)
         self.done = False
         self.finish: str | None = None
         self.stop_reason: int | str | None = None
@@ -411,9 +414,11 @@ class Seq:
         """Sample the next token, apply vLLM's stop checks, record it and queue its event."""
         self.mark_scheduled(now)
         suppress = self.n_out < self.min_tokens
+        state = self.gen.h
         tok = self.gen.step(suppress, self.stop_ids if suppress else frozenset())
         self.n_out += 1
         self.tokens.append(tok)
+        self.states.append(state)
         # v1/core/sched/utils.py check_stop (0.31): EOS, then stop token ids, then length
         finish: str | None = None
         stop_reason: int | str | None = None
@@ -432,7 +437,7 @@ class Seq:
         self.done = finish is not None
         if self.done:
             self.free()
-        ev = Event(self.index, tok, self.text.delta(self.done), finish, stop_reason)
+        ev = Event(self.index, tok, self.text.delta(self.done), finish, stop_reason, state)
         self._record(now)
         if not self.run.direct:
             self.run.queue.put_nowait(ev)
@@ -443,6 +448,8 @@ class Seq:
         update_from_finished_request (0.31)."""
         m = self.run.metrics
         m.generation_tokens.inc()
+        computed = 1 if self.n_out > 1 else self.prompt_len - self.local_hit - self.external
+        m.work(max(1, computed), self.prompt_len + self.n_out)
         if self.n_out == 1:
             # stats.py PrefillStats.set / PromptTokenStats (0.31): local hit and connector
             # tokens as admission found them, the rest computed

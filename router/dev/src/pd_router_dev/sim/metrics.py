@@ -46,6 +46,11 @@ PREEMPTIONS = (1, 2, 3, 4, 5, 10, 20)
 # vllm/v1/engine/__init__.py FINISH_REASON_STRINGS (0.31)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# The simulated model, for the work it is estimated to do (vllm:estimated_*_per_gpu): Llama-3.3-
+# 70B's parameters, and its KV cache per token (2 x 80 layers x 8 KV heads x 128 x 2 bytes),
+# which also gives the simulated NIXL transfers their size (vllm:nixl_bytes_transferred)
+MODEL_PARAMS = 70.6e9
+KV_BYTES_PER_TOKEN = 327680
 
 
 def request_tokens_buckets(max_model_len: int) -> list[float]:
@@ -268,6 +273,23 @@ class VllmMetrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
+        # v1/metrics/perf.py PerfMetricsProm (0.31 and 0.33; the CPU build exports them at 0):
+        # here 2 x MODEL_PARAMS FLOPs per token computed, the KV of the tokens it attends to
+        # read and of the tokens computed written (weights' reads, shared by a step's batch,
+        # left out); see :meth:`work`
+        mfu = " (for Model Flops Utilization calculations)."
+        self.est_flops = counter(
+            "vllm:estimated_flops_per_gpu",
+            "Estimated number of floating point operations per GPU" + mfu,
+        )
+        self.est_read = counter(
+            "vllm:estimated_read_bytes_per_gpu",
+            "Estimated number of bytes read from memory per GPU" + mfu,
+        )
+        self.est_write = counter(
+            "vllm:estimated_write_bytes_per_gpu",
+            "Estimated number of bytes written to memory per GPU" + mfu,
+        )
         success = counter_family(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -395,6 +417,12 @@ class VllmMetrics:
                 "before the transfer finished. Counted per notification (one per remote rank), "
                 "not per request.",
             )
+
+    def work(self, computed: int, context: int) -> None:
+        """``computed`` tokens computed in one step of a sequence with ``context`` tokens."""
+        self.est_flops.inc(2 * MODEL_PARAMS * computed)
+        self.est_read.inc(KV_BYTES_PER_TOKEN * context)
+        self.est_write.inc(KV_BYTES_PER_TOKEN * computed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -196,6 +196,35 @@ def next_token(h: int, ignore_eos: bool) -> int:
     return OUT_BASE + (m >> 8) % len(VOCAB_OUT)
 
 
+# token ids below this are the model's (vLLM refuses a prompt holding another): Llama-3's
+# vocabulary, the simulated model's (its config.json ``vocab_size``), which holds the special
+# and output tokens and the prompt words' ids
+VOCAB_SIZE = 128256
+assert OUT_BASE + len(VOCAB_OUT) + PROMPT_VOCAB <= VOCAB_SIZE
+
+
+def top_logprobs(state: int, tok: int, k: int) -> list[tuple[int, float]]:
+    """The sampled token ``tok`` with its log-probability, then the next likeliest tokens, ``k``
+    in all at least one (what vLLM's Logprob dicts hold), decreasing, all below 0. Drawn from
+    the sequence's state before ``tok`` (``Generator.h``), so one prompt on one set of weights
+    gets the same figures on every engine, and other weights other ones. The sampled token
+    is the likeliest (the simulator samples greedily)."""
+    lp = -0.05 - (_mix(state ^ 0x5851F42D4C957F2D) & 0xFFFF) / 0xFFFF * 4.0
+    out = [(tok, lp)]
+    seen = {tok}
+    salt = 0
+    while len(out) < k and salt < 4 * k:
+        salt += 1
+        m = _mix(state + 0x9E37 * salt)
+        alt = OUT_BASE + (m >> 8) % len(VOCAB_OUT)
+        if alt in seen:
+            continue
+        seen.add(alt)
+        lp -= 0.01 + (m & 0xFFFF) / 0xFFFF
+        out.append((alt, lp))
+    return out
+
+
 def token_text(tok: int) -> str:
     if OUT_BASE <= tok < OUT_BASE + len(VOCAB_OUT):
         return VOCAB_OUT[tok - OUT_BASE]

@@ -18,8 +18,15 @@ Order of the checks, as a request meets them in vLLM (entrypoints/openai/*/api_r
    prompt's length (the 0.31 and 0.33 rules differ here).
 6. ``get_max_tokens`` (serve/utils/api_utils.py) clamps the output length to what fits.
 7. ``SamplingParams._verify_args`` (sampling_params.py).
-8. ``InputProcessor._validate_prompt_len`` (v1/engine/input_processor.py): an empty token
-   prompt, seen only once generation starts (inside the SSE stream when streaming).
+8. At generation start (inside the SSE stream when streaming; :func:`start_error`):
+   ``SamplingParams._validate_logprobs`` (more logprobs than ``max_logprobs``, 20), then per
+   prompt ``InputProcessor._validate_model_input`` (v1/engine/input_processor.py): an empty
+   token prompt, then a token id outside the vocabulary.
+
+A chat request naming tools is refused after the model check (renderers/online_renderer.py
+``render_chat``): the simulator is an engine without a tool parser, as vLLM started without
+``--enable-auto-tool-choice``/``--tool-call-parser``; an empty ``messages`` is refused by the
+chat template after the output length check (transformers' ``apply_chat_template``).
 
 Errors raised as ``VLLMValidationError`` become ``create_error_response`` bodies
 (serve/exception_handling/error_response.py): ``{"error": {"message", "type":
@@ -50,6 +57,12 @@ _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
 # completion/protocol.py (0.31 and 0.33): ``max_tokens: int | None = 16``
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# config/model.py (0.31): ModelConfig.max_logprobs, the engine default
+MAX_LOGPROBS = 20
+# transformers' apply_chat_template (tokenization_utils_base.py, the engine stack's 5.x)
+EMPTY_CONVERSATION = (
+    "Cannot apply chat template to an empty conversation. Provide at least one message."
+)
 
 
 class ApiError(Exception):
@@ -418,6 +431,8 @@ class Request:
     request_id: str | None = None
     return_token_ids: bool = False
     model: str | None = None  # the name the request gave (a LoRA adapter's, or a served one)
+    # SamplingParams.logprobs: top tokens per output token (0: the sampled one only), None off
+    logprobs: int | None = None
 
 
 def max_n() -> int:
@@ -457,6 +472,11 @@ def parse(
         mdl = f.get("model", "str", None)
         prompts_raw = f.prompts()
     freq = f.get("frequency_penalty", "float", None)
+    if chat:  # ``logprobs: bool | None = False``, ``top_logprobs: int | None = 0``
+        want_logprobs = f.get("logprobs", "bool", False)
+        top = f.get("top_logprobs", "int", 0)
+    else:  # ``logprobs: int | None = None``
+        want_logprobs, top = f.get("logprobs", "int", None), None
     max_tokens = f.get("max_tokens", "int", None)
     max_completion = f.get("max_completion_tokens", "int", None) if chat else None
     n = f.get("n", "int", 1, optional=chat)  # chat: ``int | None = 1``; completions: ``int``
@@ -483,11 +503,12 @@ def parse(
     repetition = f.get("repetition_penalty", "float", None)
     stop_token_ids = f.int_list("stop_token_ids")
     include_stop = f.get("include_stop_str_in_output", "bool", False, optional=False)
+    beam = f.get("use_beam_search", "bool", False, optional=False)
     ignore_eos = f.get("ignore_eos", "bool", False, optional=False)
     min_tokens = f.get("min_tokens", "int", 0, optional=False)
     if chat:
         add_gen = f.get("add_generation_prompt", "bool", True, optional=False)
-        if isinstance(messages, list):
+        if isinstance(messages, list) and messages:  # [] is the chat template's to refuse
             try:
                 chat_ids = M.apply_chat_template(messages, bool(add_gen))
             except ValueError as exc:
@@ -503,6 +524,10 @@ def parse(
         raise validation_error(f.errors)
     if mdl and mdl not in names:
         raise not_found_model(mdl)
+    if chat:
+        _no_tool_parser(body)
+    elif stream and beam:  # completion/serving.py (0.31) _create_completion
+        raise ApiError(400, "Streaming is not currently supported with beam search")
 
     # renderers/params.py TokenizeParams (0.31/0.33 build_tok_params): the requested output
     # length, or 0, is checked against max_model_len before any prompt is tokenized
@@ -523,7 +548,16 @@ def parse(
         )
     prompts: list[list[int]] = []
     if chat:
+        if not messages:
+            raise ApiError(400, EMPTY_CONVERSATION)
+        if _has_media(messages):  # multimodal/registry.py (0.31) create_processor
+            raise ApiError(400, f"{names[0]} is not a multimodal model")
         prompts.append(_check_prompt_len(chat_ids, True, max_model_len, max_output, version))
+    if not chat and body.get("prompt_embeds") not in (None, []):
+        # renderers/embed_utils.py (0.31): an engine started without --enable-prompt-embeds
+        raise vllm_error(
+            "You must set `--enable-prompt-embeds` to input `prompt_embeds`.", "prompt_embeds"
+        )
     for p in prompts_raw:
         if isinstance(p, str):
             ids = M.tokenize_text(p, add_special)
@@ -546,7 +580,9 @@ def parse(
         max_tokens_out.append(fit if requested is None else min(fit, requested))
 
     n_val = 1 if n is None else n
-    for mt in max_tokens_out:  # no prompt ([]): vLLM builds no SamplingParams at all
+    # no prompt ([]): vLLM builds no SamplingParams at all; beam search BeamSearchParams, which
+    # check none of this (completion/protocol.py to_beam_search_params)
+    for mt in [] if beam else max_tokens_out:
         _verify_sampling(
             n_val,
             presence,
@@ -577,6 +613,8 @@ def parse(
         request_id=request_id,
         return_token_ids=bool(return_ids),
         model=mdl or None,
+        # chat_completion/protocol.py to_sampling_params: top_logprobs when logprobs is set
+        logprobs=((top or 0) if want_logprobs else None) if chat else want_logprobs,
     )
 
 
@@ -589,6 +627,8 @@ def _before_validators(body: dict[str, Any], chat: bool) -> None:
             raise vllm_error(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
+        _check_tool_usage(body)
+        _check_logprobs(body, "top_logprobs")
         _stream_options_need_stream(body)
         return
     # completion/protocol.py (0.31) validate_prompt_list_length
@@ -609,6 +649,7 @@ def _before_validators(body: dict[str, Any], chat: bool) -> None:
     if (p is None or p == "") and body.get("prompt_embeds") in (None, []):
         raise vllm_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     _stream_options_need_stream(body)
+    _check_logprobs(body, "logprobs")
 
 
 def _stream_options_need_stream(body: dict[str, Any]) -> None:
@@ -616,6 +657,138 @@ def _stream_options_need_stream(body: dict[str, Any]) -> None:
     # truthiness of the raw values, before any type check
     if body.get("stream_options") and not body.get("stream"):
         raise vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
+
+
+# entrypoints/chat_utils.py (0.31) MM_PARSER_MAP: the content parts that carry media
+MEDIA_PARTS = frozenset(
+    {
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    }
+)
+
+
+def _has_media(messages: list[Any]) -> bool:
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                    return True
+    return False
+
+
+def _check_logprobs(body: dict[str, Any], field: str) -> None:
+    """chat_completion/protocol.py and completion/protocol.py (0.31) check_logprobs, for the
+    fields modelled (``field``: chat's ``top_logprobs``, completions' ``logprobs``; no
+    ``prompt_logprobs`` or ``logprob_token_ids``): on the raw values, before any type check."""
+    v = body.get(field)
+    if v is None:
+        return
+    if not isinstance(v, int | float):
+        raise vllm_error(f"`{field}` must be an integer.", field, v)
+    if v < 0 and v != -1:
+        raise vllm_error(f"`{field}` must be a positive value or -1.", field, v)
+    if field == "top_logprobs" and (v == -1 or v > 0) and not body.get("logprobs"):
+        raise vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", field)
+
+
+def _check_tool_usage(body: dict[str, Any]) -> None:
+    """chat_completion/protocol.py (0.31) check_tool_usage, on the raw body (the tools' own
+    pydantic model is not modelled); sets ``tool_choice`` to "auto" where tools come without
+    one, as vLLM does."""
+    tools = body.get("tools")
+    if tools == []:
+        raise vllm_error(
+            "`tools` must not be an empty array. "
+            "Either provide at least one tool or omit the field entirely.",
+            "tools",
+        )
+    if "tool_choice" not in body and tools:
+        body["tool_choice"] = "auto"
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise vllm_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise vllm_error(
+            f"Invalid value for `tool_choice`: {choice}! "
+            'Only named tools, "none", "auto" or "required" are supported.',
+            "tool_choice",
+        )
+    if isinstance(choice, dict):
+        usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise vllm_error(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                "tool_choice.function",
+            )
+        if "name" not in function:
+            raise vllm_error(
+                f"Expected field `name` in `function` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise vllm_error(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
+        named = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        if name not in named:
+            raise vllm_error(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                "tool_choice",
+            )
+
+
+def _no_tool_parser(body: dict[str, Any]) -> None:
+    """renderers/online_renderer.py (0.31) render_chat, on an engine without a tool parser:
+    any ``tool_choice`` but none is refused (check_tool_usage made tools alone "auto")."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if choice == "auto":
+        raise ApiError(
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+            "to be set",
+        )
+    named = isinstance(choice, dict)
+    desc = f'function "{choice["function"]["name"]}"' if named else f'"{choice}"'
+    raise ApiError(400, f"tool_choice={desc} requires --tool-call-parser to be set")
+
+
+def start_error(req: Request, vocab_size: int) -> ApiError | None:
+    """What vLLM refuses once generation starts (v1/engine/input_processor.py 0.31
+    process_inputs): ``SamplingParams._validate_logprobs`` (more than ``MAX_LOGPROBS``; -1
+    is the whole vocabulary), then each prompt's ``_validate_model_input``: empty, then a
+    token id outside the vocabulary (below 0 is refused before this, by pydantic)."""
+    n = req.logprobs
+    if n:
+        n = vocab_size if n == -1 else n
+        if n > MAX_LOGPROBS:
+            return vllm_error(
+                f"Requested sample logprobs of {n}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}",
+                "logprobs",
+                n,
+            )
+    for ids in req.prompts:
+        if not ids:
+            return vllm_error("The decoder prompt cannot be empty")
+        if max(ids) > vocab_size - 1:
+            return vllm_error(f"Token id {max(ids)} is out of vocabulary")
+    return None
 
 
 def _check_prompt_len(

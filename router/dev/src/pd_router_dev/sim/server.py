@@ -35,10 +35,21 @@ the vLLM file it was checked against (paths relative to the ``vllm/`` package):
 - NIXL prefill answers carry the ``kv_transfer_params`` of ``NixlConnector``'s
   ``request_finished`` (``distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``).
 
-Not modelled: sampling itself (output is a deterministic hash of the sequence; ``n``
-choices differ by a per-index seed, temperature/top_p/... are validated but change
-nothing), logprobs, echo, tools and reasoning parsers, structured outputs, beam search,
-``truncate_prompt_tokens``, prompt embeds, multimodal input, LoRA, the tokenizer's
+``logprobs`` (chat's ``logprobs``/``top_logprobs``, completions' ``logprobs``) come back in
+vLLM's shapes with figures of the simulator's own (``model.top_logprobs``: the sampled token
+the likeliest), the limits vLLM puts on them refused in its words (``protocol.py``).
+
+It is an engine started with vLLM's defaults otherwise: text only (media in ``messages``
+refused), no ``--enable-prompt-embeds`` (``prompt_embeds`` refused), no tool parser (a
+``tool_choice`` other than none refused), each in vLLM's words. Beam search is accepted with
+its own rules (no sampling checks; not streamed), its beams being ``n`` choices of their own.
+
+Not modelled (each probed against vLLM in tests/real_engine/test_real_sim_differential.py
+``GAPS``, or named there with why it is not): sampling itself (output is a deterministic hash
+of the sequence; ``n`` choices differ by a per-index seed, temperature/top_p/... are
+validated but change nothing), ``prompt_logprobs`` and ``logprob_token_ids``, echo, reasoning
+parsers, structured outputs, ``truncate_prompt_tokens``, the tools' own pydantic model, LoRA
+adapters' weights (an adapter answers with other weights of its own), the tokenizer's
 character-length pre-check, pydantic's exact wording for malformed chat ``messages``, KV
 cache capacity and preemption, ``cache_salt``, the NIXL prefiller's
 ``remote_prefill_cached_tokens`` in its ``kv_transfer_params``, and any 0.33 response-shape
@@ -78,7 +89,7 @@ from pd_router_dev.sim.engine import (
 )
 from pd_router_dev.sim.kv_events import Publisher as KvPublisher
 from pd_router_dev.sim.kv_events import parse_config as parse_kv_events
-from pd_router_dev.sim.metrics import VllmMetrics
+from pd_router_dev.sim.metrics import KV_BYTES_PER_TOKEN, VllmMetrics
 
 FAULTS = (
     "none",
@@ -94,9 +105,6 @@ FAULTS = (
     "hang_after_headers",
 )
 _MASK64 = (1 << 64) - 1
-# Llama-3.3-70B's KV cache per token (2 x 80 layers x 8 KV heads x 128 x 2 bytes), only to
-# give the simulated NIXL transfer a plausible size in vllm:nixl_bytes_transferred
-KV_BYTES_PER_TOKEN = 327680
 REQUESTS_KEPT = 200  # /sim/requests: the last requests' records, for tests
 NUM_LAYERS = 80
 
@@ -166,6 +174,49 @@ def _err(status: int, message: str, etype: str = "BadRequestError") -> web.Respo
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _logprob(tok: int, lp: float) -> dict[str, Any]:
+    text = M.token_text(tok)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+
+def _logprobs(
+    req: P.Request, pairs: list[tuple[int, int]], offset: int
+) -> tuple[dict[str, Any] | None, int]:
+    """The ``logprobs`` of a choice's tokens ((token, state) pairs; None when not asked) and
+    the text offset after them. Chat (chat_completion/serving.py _create_chat_logprobs, 0.31):
+    ``content``, each token with its ``top_logprobs`` (``top_logprobs`` of them, 0: none).
+    Completions (completion/serving.py _create_completion_logprobs): ``text_offset`` (from
+    ``offset``, the choice's text before them), ``token_logprobs``, ``tokens`` and
+    ``top_logprobs``, each a dict of the sampled token and the next likeliest, ``logprobs``
+    entries at least one. Figures from model.top_logprobs."""
+    k = req.logprobs
+    if k is None:
+        return None, offset
+    if req.chat:
+        content = []
+        for tok, state in pairs:
+            top = M.top_logprobs(state, tok, max(k, 1))
+            entry = _logprob(tok, top[0][1])
+            entry["top_logprobs"] = [_logprob(t, lp) for t, lp in top[:k]]
+            content.append(entry)
+        return {"content": content}, offset
+    out: dict[str, list[Any]] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
+    for tok, state in pairs:
+        top = M.top_logprobs(state, tok, max(k, 1))
+        text = M.token_text(tok)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(top[0][1])
+        out["tokens"].append(text)
+        out["top_logprobs"].append({M.token_text(t): lp for t, lp in top})
+        offset += len(text)
+    return out, offset
 
 
 def _drain(q: asyncio.Queue[Event]) -> list[Event]:
@@ -516,10 +567,10 @@ class SimEngine:
         if fault == "kv_load_fail" and isinstance(kv, dict) and kv.get("do_remote_prefill"):
             self._consume_fault()
             return await self._kv_load_failed(request, ctx)
-        if any(not p for p in req.prompts):
-            # v1/engine/input_processor.py _validate_prompt_len: raised once generation
-            # starts, so inside the stream when streaming (create_streaming_error_response)
-            err = P.vllm_error("The decoder prompt cannot be empty")
+        err = P.start_error(req, M.VOCAB_SIZE)
+        if err is not None:
+            # raised once generation starts, so inside the stream when streaming
+            # (create_streaming_error_response)
             if not req.stream:
                 return _error(err)
             return await self._stream_error(request, err)
@@ -711,8 +762,9 @@ class SimEngine:
             else:
                 choice["text"] = s.text.text
             ids = req.return_token_ids  # output ids per choice; prompt ids per choice or once
+            pairs = list(zip(s.tokens, s.states, strict=True))
             choice.update(
-                logprobs=None,
+                logprobs=_logprobs(req, pairs, 0)[0],
                 finish_reason=s.finish,
                 stop_reason=s.stop_reason,
                 token_ids=list(s.tokens) if ids else None,
@@ -771,6 +823,7 @@ class SimEngine:
         }
         n_prompt = [len(p) for p in req.prompts]
         n_tok = [0] * len(run.seqs)
+        offset = [0] * len(run.seqs)  # each choice's text so far (completions' text_offset)
         seq_prompt = [s.prompt_index for s in run.seqs]
         first = True
         while run.seqs:
@@ -801,11 +854,13 @@ class SimEngine:
             first = False
             for ev in events:
                 n_tok[ev.index] += 1
+                picked = [(ev.token, ev.state)]
+                logprobs, offset[ev.index] = _logprobs(req, picked, offset[ev.index])
                 if chat:
                     choice: dict[str, Any] = {
                         "index": ev.index,
                         "delta": {"content": ev.text},
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": ev.finish,
                     }
                     if ev.finish is not None:
@@ -819,7 +874,7 @@ class SimEngine:
                     choice = {
                         "index": ev.index,
                         "text": ev.text,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": ev.finish,
                         "stop_reason": ev.stop_reason,
                         "prompt_token_ids": prompt_ids,
