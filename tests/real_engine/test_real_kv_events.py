@@ -19,7 +19,17 @@ reuses the other's blocks) and its figures are printed beside the events' (the l
 Before each request the test waits until every events router has applied every batch the engines
 published (its ``pd_router_kv_event_batches_total{outcome="applied"}`` against the engines'
 replay buffers, read with vLLM's own replay protocol): the next prompt is then decided on what
-the engines hold, not on a race with their publishers.
+the engines hold, not on a race with their publishers, and the estimate must equal vLLM's reuse
+on every request. A real client does not wait for that: a request that comes before its router
+applied the latest batches is decided on the view of a few milliseconds before, and at worst
+claims a block the engine has just evicted or misses one it has just stored; the decoder
+computes whatever it does not hold, so that costs time, never a wrong answer.
+
+Measured (this 2-core machine, 2026-12-07, ``pytest -s tests/real_engine/test_real_kv_events.py``):
+with events, the estimate equal to vLLM's reuse on 47 of 47 requests (18 of them reusing
+something, up to 1,536 tokens; the rest 0 and 0: first requests, other salts, the evicted small
+cache), every decision the one vLLM's numbers imply; without, 10 of 19 equal, never above, a conversation's next turn within one block below (the index records
+what it sent, not the answer, which vLLM caches too).
 """
 
 from __future__ import annotations
@@ -238,15 +248,12 @@ def events_rows(rows: list[Row]) -> list[Row]:
 def test_kv_events_estimate_equals_what_vllm_reused(measured: list[Row]) -> None:
     rows = events_rows(measured)
     assert all(r.source == "events" for r in rows), summary(measured)
-    equal = sum(r.estimate == r.reused for r in rows)
-    assert equal >= 0.95 * len(rows), summary(measured)
-    assert all(abs(r.estimate - r.reused) <= BLOCK for r in rows), summary(measured)
+    assert [r for r in rows if r.estimate != r.reused] == [], summary(measured)
 
 
 def test_kv_events_decisions_equal_what_vllms_numbers_imply(measured: list[Row]) -> None:
     rows = events_rows(measured)
-    agree = sum(r.taken == r.vllm_route for r in rows)
-    assert agree >= 0.99 * len(rows), summary(measured)
+    assert [r for r in rows if r.taken != r.vllm_route] == [], summary(measured)
 
 
 def test_kv_events_see_the_shared_system_prompt_of_agents_with_other_tools(measured: list[Row]) -> None:
@@ -279,3 +286,18 @@ def test_kv_events_off_the_approximate_index_never_claims_more(measured: list[Ro
     assert rows and all(r.source == "approximate" for r in rows), summary(measured)
     assert not [r for r in rows if r.estimate > r.reused], summary(measured)
     print("\n" + summary(measured))
+
+
+def test_kv_events_off_the_approximate_index_claims_what_it_sent(measured: list[Row]) -> None:
+    """What the index can know, it claims (not merely never too much: an index claiming 0
+    would pass that): a conversation's next turn and an agent's next step, within one block
+    below vLLM's reuse (it records the prompt it sent; vLLM caches the answer too), and a
+    salted prompt asked again with its salt, exactly."""
+    rows = [r for r in measured if r.run == "approximate"]
+    later = [
+        r for r in rows if r.workload in ("multi-turn chat", "agents with own tools") and not r.step.endswith(" 1")
+    ]
+    assert len(later) == 11, summary(measured)
+    assert all(r.estimate > 0 and r.reused - BLOCK <= r.estimate <= r.reused for r in later), summary(measured)
+    (again,) = [r for r in rows if r.step == "s1 again"]
+    assert again.estimate == again.reused > 0, summary(measured)
