@@ -845,3 +845,53 @@ def test_what_vllm_refuses_of_logprobs_tools_and_prompts(
             )
 
     run(main)
+
+
+def test_logprobs_edges_as_vllm() -> None:
+    """Chat ``top_logprobs: null`` with ``logprobs`` asks none (vLLM's serving requires it not
+    None); a streamed chunk's ``text_offset`` is the text sent before it, a stop string's
+    held-back characters not counted (completion/serving.py ``previous_text_lens``)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+
+    async def main() -> None:
+        async with sim() as (c, _):
+            _, a = await post(c, CHAT, {**chat, "top_logprobs": None})
+            assert a["choices"][0]["logprobs"] is None
+            whole = (await post(c, CMPL, {"prompt": "hi", "max_tokens": 6, "ignore_eos": True}))[1]
+            text = whole["choices"][0]["text"]
+            stop = text.split()[2]  # the third word: held back while it may be starting
+            body = {"prompt": "hi", "max_tokens": 6, "ignore_eos": True, "stream": True}
+            _, chunks = await post(c, CMPL, {**body, "logprobs": 1, "stop": [stop]})
+            sent = 0
+            for ch in chunks[:-1]:
+                (choice,) = ch["choices"]
+                assert choice["logprobs"]["text_offset"] == [sent]
+                sent += len(choice["text"])
+
+    run(main)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        # the stream and beam search check comes before the model's (completion/serving.py)
+        (CMPL, {"model": "nope", "prompt": "hi", "use_beam_search": True, "stream": True},
+         400, "Streaming is not currently supported with beam search"),
+        (CHAT, {"tools": 5, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         400, "The tool specified in `tool_choice` does not match any of the specified `tools`"
+         " (parameter=tool_choice)"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"image_url": {"url": "x"}}]}]},
+         400, f"{MODEL} is not a multimodal model"),
+    ],
+)  # fmt: skip
+def test_what_vllm_refuses_before_generating(
+    path: str, body: dict[str, Any], status: int, message: str
+) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {}
+
+    async def main() -> None:
+        async with sim() as (c, _):
+            got_status, got = await post(c, path, {**base, "max_tokens": 2, **body})
+            assert (got_status, got["error"]["message"]) == (status, message)
+
+    run(main)

@@ -228,7 +228,11 @@ def test_hybrid_handoff_is_exactly_the_decoders_own_computation_from_its_cache(
         assert t1 == t2 and top1.keys() == top2.keys()
         worst = max(worst, abs(lp1 - lp2), *(abs(top1[t] - top2[t]) for t in top1))
     assert worst <= EXACT, worst
-    noise = [abs(a[1] - b[1]) for a, b in zip(_steps(warm), _steps(cold), strict=True) if a[0] == b[0]]
+    noise = []  # the colocated logprobs against these, up to where the answers part
+    for a, b in zip(_steps(warm), _steps(cold), strict=True):
+        if a[0] != b[0]:
+            break
+        noise.append(abs(a[1] - b[1]))
     print(
         f"\nhybrid hand-off, block {block}, prompt {len(ids)} ids: equal to the warm decoder's own on 24 of 24 "
         f"steps (largest logprob difference {worst:.1e}); the colocated answer "
@@ -263,7 +267,8 @@ def test_hybrid_longer_answers_part_from_colocated_only_at_bfloat16_ties(
     most one step below its first, and the handed-off run ranked them at most one step apart
     the other way. That every logprob gap lies on the grid is checked (the step is the
     model's own). Negative control: a hand-off of another prompt's KV (another prompt of the
-    same length) decoded as this prompt's, which the rule must call a defect."""
+    same length) decoded as this prompt's, which the rule must call a defect (in 3 of 4 at
+    least; 4 of 4 on 2026-12-07)."""
     pre, dec = hybrid["prefill"], hybrid["decode"]
     vocab = json.loads((engines.model("hybrid") / "config.json").read_text())["vocab_size"]
     verdicts, wrong = [], []

@@ -522,12 +522,12 @@ def parse(
     return_ids = f.get("return_token_ids", "bool", None)  # ``bool | None = None`` on both
     if f.errors:
         raise validation_error(f.errors)
+    if not chat and stream and beam:  # completion/serving.py (0.31) _create_completion
+        raise ApiError(400, "Streaming is not currently supported with beam search")
     if mdl and mdl not in names:
         raise not_found_model(mdl)
     if chat:
         _no_tool_parser(body)
-    elif stream and beam:  # completion/serving.py (0.31) _create_completion
-        raise ApiError(400, "Streaming is not currently supported with beam search")
 
     # renderers/params.py TokenizeParams (0.31/0.33 build_tok_params): the requested output
     # length, or 0, is checked against max_model_len before any prompt is tokenized
@@ -613,8 +613,9 @@ def parse(
         request_id=request_id,
         return_token_ids=bool(return_ids),
         model=mdl or None,
-        # chat_completion/protocol.py to_sampling_params: top_logprobs when logprobs is set
-        logprobs=((top or 0) if want_logprobs else None) if chat else want_logprobs,
+        # chat_completion/protocol.py to_sampling_params: top_logprobs (default 0, null: none
+        # at all) when logprobs is set
+        logprobs=(top if want_logprobs else None) if chat else want_logprobs,
     )
 
 
@@ -680,7 +681,12 @@ def _has_media(messages: list[Any]) -> bool:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                if not isinstance(part, dict):
+                    continue
+                # a part without ``type`` is typed by a media key it has (chat_utils.py
+                # _parse_chat_message_content_mm_part)
+                kind = part.get("type")
+                if kind in MEDIA_PARTS or (kind is None and MEDIA_PARTS & part.keys()):
                     return True
     return False
 
@@ -743,7 +749,11 @@ def _check_tool_usage(body: dict[str, Any]) -> None:
                 f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
                 "tool_choice.function.name",
             )
-        named = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        # (vLLM reads ``tool["function"]["name"]`` raw here: malformed tools fail there with a
+        # 500; the simulator finds no match instead)
+        listed = tools if isinstance(tools, list) else []
+        fns = [t.get("function") for t in listed if isinstance(t, dict)]
+        named = [f.get("name") for f in fns if isinstance(f, dict)]
         if name not in named:
             raise vllm_error(
                 "The tool specified in `tool_choice` does not match any of the specified `tools`",

@@ -854,8 +854,10 @@ class SimEngine:
             first = False
             for ev in events:
                 n_tok[ev.index] += 1
-                picked = [(ev.token, ev.state)]
-                logprobs, offset[ev.index] = _logprobs(req, picked, offset[ev.index])
+                logprobs, _ = _logprobs(req, [(ev.token, ev.state)], offset[ev.index])
+                # completion/serving.py: a chunk's offset is the length of the text sent before
+                # it (a stop string's hold-back included), not of the tokens before it
+                offset[ev.index] += len(ev.text)
                 if chat:
                     choice: dict[str, Any] = {
                         "index": ev.index,
