@@ -4,9 +4,11 @@ An engine that has calls waiting on it and has sent the router nothing for ``sta
 while its health check (``health.path`` within ``health.timeoutSeconds``) failed is stalled.
 The check is asked ``timeoutSeconds`` before the silence reaches ``stallSeconds``, so that its
 timeout runs out as the silence does: a stall is found ``stallSeconds`` after the engine's last
-byte (plus a look's period), not ``stallSeconds + timeoutSeconds`` (5 + 2 s by default: with
-the check asked after the silence, the real-engine churn test's in-flight requests took up to
-10.3 s to end, 2026-12-07, against issue 36's 10 s). A stalled engine (its processes stopped, a
+byte (plus a look's period; ``timeoutSeconds`` where that is longer), not ``stallSeconds +
+timeoutSeconds`` (5 + 2 s by default: with the check asked after the silence, the real-engine
+churn test's in-flight requests took up to 10.3 s to end, 2026-12-07, against issue 36's
+10 s). A silent engine that answers its check (a long prefill, an answer not streamed) is
+asked again at most once per ``stallSeconds``. A stalled engine (its processes stopped, a
 frozen host, a path that drops packets without a reset) is ejected at once, as after passive
 failures (``health.ejectionSeconds``, doubled with each ejection in a row, then re-admitted by
 its checks), and every call waiting on it fails now with
@@ -59,6 +61,9 @@ class StallWatch:
         # per engine (host, port, tls): (its count of what it sent and was sent, since when)
         self._quiet: dict[tuple[str, int, bool], tuple[int, float]] = {}
         self._asking: set[tuple[str, int, bool]] = set()
+        # per engine silent since its last check passed: not asked again before this time (a
+        # slow engine answering its checks is asked once per stallSeconds, not per look)
+        self._rested: dict[tuple[str, int, bool], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -78,13 +83,19 @@ class StallWatch:
             quiet = self._quiet.get(key)
             if not waiting or quiet is None or quiet[0] != heard:
                 self._quiet[key] = (heard, now)
-            elif now - quiet[1] >= self.ask_after and key not in self._asking:
+                self._rested.pop(key, None)
+            elif (
+                now - quiet[1] >= self.ask_after
+                and now >= self._rested.get(key, 0.0)
+                and key not in self._asking
+            ):
                 self._asking.add(key)
                 task = asyncio.get_running_loop().create_task(self._ask(held, key, heard, quiet[1]))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         for key in self._quiet.keys() - where.keys():
             del self._quiet[key]
+            self._rested.pop(key, None)
 
     async def _ask(
         self,
@@ -105,7 +116,10 @@ class StallWatch:
                     await asyncio.sleep(left)  # the rest of the silence that makes a stall
             waiting, now_heard = self.up.waiting_on(*key)
             if ok or now_heard != heard or not waiting:
-                self._quiet[key] = (now_heard, time.monotonic())  # alive: another stallSeconds
+                now = time.monotonic()
+                if now_heard == heard and waiting:  # silent still, but answering its checks
+                    self._rested[key] = now + self.seconds
+                self._quiet[key] = (now_heard, now)  # alive: another stallSeconds
                 return
             for pool, ep in held:
                 why = f"silent {self.seconds:g} s with calls waiting, its health check failed"

@@ -49,10 +49,13 @@ class Pool:
         self.ejected.append(ep)
 
 
-def watch(answer: bool, on_probe: Any = None) -> tuple[StallWatch, Up, Pool, list[str]]:
+def watch(
+    answer: bool, on_probe: Any = None, stall: float = STALL
+) -> tuple[StallWatch, Up, Pool, list[str]]:
     up, stalls = Up(), []
     pool = Pool(Endpoint("http://10.0.0.1:8000"), answer, on_probe)
-    w = StallWatch(up, [pool], Health(stall_seconds=STALL, timeout_seconds=TIMEOUT), stalls.append)  # type: ignore[arg-type]
+    health = Health(stall_seconds=stall, timeout_seconds=TIMEOUT)
+    w = StallWatch(up, [pool], health, stalls.append)  # type: ignore[arg-type]
     return w, up, pool, stalls
 
 
@@ -92,5 +95,39 @@ def test_an_engine_answering_its_check_or_speaking_meanwhile_is_not_stalled() ->
         pool.on_probe = lambda: asyncio.get_running_loop().call_later(0.05, setattr, up, "heard", 8)
         await _silence(w, pool)
         assert pool.asked and not pool.ejected and not stalls and not up.aborted
+
+    asyncio.run(main())
+
+
+def test_a_silent_engine_answering_its_checks_is_asked_once_per_stall_seconds() -> None:
+    """A long prefill or an answer not streamed: silent, healthy. After a check passed, the
+    next comes ``stallSeconds`` later, not at every look past ``stallSeconds - timeoutSeconds``
+    (nor at every look where that is 0); once it speaks, its silence counts afresh."""
+
+    async def main() -> None:
+        w, up, pool, _ = watch(answer=True)
+        await _silence(w, pool)
+        asked = pool.asked[0]
+        for dt in (0.05, 0.2, STALL - 0.01):  # within stallSeconds of the passing check
+            w.look(asked + dt)
+            await asyncio.gather(*w._tasks)
+        assert len(pool.asked) == 1
+        w.look(asked + STALL + 0.01)
+        await asyncio.gather(*w._tasks)
+        assert len(pool.asked) == 2
+        # it speaks: a new silence, asked stallSeconds - timeoutSeconds into it
+        up.heard += 1
+        t = time.monotonic()
+        w.look(t)
+        w.look(t + STALL - TIMEOUT + 0.01)
+        await asyncio.gather(*w._tasks)
+        assert len(pool.asked) == 3
+        # stallSeconds no longer than the timeout: no look asks twice within stallSeconds
+        w, up, pool, _ = watch(answer=True, stall=TIMEOUT)
+        t0 = time.monotonic()
+        for dt in (0.0, 0.01, 0.02, 0.03):
+            w.look(t0 + dt)
+            await asyncio.gather(*w._tasks)
+        assert len(pool.asked) == 1
 
     asyncio.run(main())
