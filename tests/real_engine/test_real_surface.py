@@ -21,7 +21,13 @@ from tests.real_engine.test_real_sim_differential import ERRORS, call, shape
 
 # What the router refuses itself, before any engine (openai_wire.validate), and the field its
 # message names; the engine judges the rest, and its very answer reaches the client.
-ROUTER_JUDGES = {"a wrong type": "temperature", "no messages": "messages", "max_tokens below 1": "max_tokens"}
+ROUTER_JUDGES = {
+    "a wrong type": "temperature",
+    "no messages": "messages",
+    "max_tokens below 1": "max_tokens",
+    "empty messages": "messages",  # the router refuses an empty list before any engine
+    "prompt_embeds without --enable-prompt-embeds": "prompt",  # it routes by a prompt it can read
+}
 PREFLIGHT_OK = "pd-inference preflight: ok (connector=nixl, backend=UCX, nixl 1.5.1"
 
 
