@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_router.config import load_config
-from pd_router_dev.devstack import DEMO_CONFIG, Stack, free_port
+from pd_router_dev.devstack import DEMO_CONFIG, Proc, Stack, free_port
 from pd_router_dev.sim import kv_events
 
 # The chart's defaults (charts/pd-inference/values.yaml model.servedName, kvTransfer.connector;
@@ -87,6 +87,20 @@ def _print_trace(spans: list[dict[str, Any]]) -> None:
 def _kv_events() -> list[str]:
     """vLLM's --kv-events-config for one simulated engine, on ports of its own."""
     return ["--kv-events-config", kv_events.config_json(free_port(), free_port())]
+
+
+def _sim_with_events(stack: Stack, name: str, *args: str) -> Proc:
+    """A simulated engine publishing its KV-cache events on free ports, tried again on other
+    ports (at most 3 times) when one was taken between the pick and the bind: the publisher
+    binds every address, and on a busy machine (make test's other worker) a port free on
+    127.0.0.1 a moment ago can be gone. The router learns the ports from the engine."""
+    for attempt in range(3):
+        try:
+            return stack.sim(name, *args, *_kv_events())
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,8 +208,8 @@ def _run(
         # they share this host); the router routes on what they hold
         env["PD_ROUTER__ROUTING__KVEVENTS__PORT"] = "0"
         env["PD_ROUTER__ROUTING__KVEVENTS__REPLAYPORT"] = "0"
-        prefill = stack.sim("demo-prefill", *pre_args, *timing, *model, *_kv_events())
-        decode = stack.sim("demo-decode", *dec_args, *timing, *model, *_kv_events())
+        prefill = _sim_with_events(stack, "demo-prefill", *pre_args, *timing, *model)
+        decode = _sim_with_events(stack, "demo-decode", *dec_args, *timing, *model)
         env["PD_ROUTER__POOLS__PREFILL__STATIC"] = f"[{prefill.url()}]"
         env["PD_ROUTER__POOLS__DECODE__STATIC"] = f"[{decode.url()}]"
         cfg = load_config(DEMO_CONFIG, env)  # fail here, clearly, on a bad demo config
