@@ -28,7 +28,27 @@ def test_the_grid_options_reach_the_simulated_run(monkeypatch: pytest.MonkeyPatc
     (argv,) = seen
     assert argv[argv.index("--mixes") + 1] == "short"
     assert argv[argv.index("--fractions") + 1] == "0.5,0.9"
-    assert "--no-extras" in argv
+    assert argv[argv.index("--cells") + 1] == "grid"  # --no-extras
+
+
+def test_cells_pick_what_runs_and_a_bad_one_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for main in (sim.main, goodput.main):
+        with pytest.raises(SystemExit) as bad:
+            main(["--cells", "grid,chats"])
+        assert bad.value.code == 2
+        assert "--cells: each of grid, chat, alternating: 'grid,chats'" in capsys.readouterr().err
+    seen: list[list[str]] = []
+
+    def stub(argv: list[str]) -> int:
+        seen.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(goodput.simulated, "main", stub)
+    with pytest.raises(SystemExit):
+        goodput.main(["--sim-only", "--cells", "chat", "--out", str(tmp_path)])
+    assert seen[0][seen[0].index("--cells") + 1] == "chat"
 
 
 @pytest.mark.parametrize("main", [sim.main, goodput.main], ids=["simulated", "sweep"])

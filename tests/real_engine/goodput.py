@@ -97,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sim", action="store_true", help="the real engines only")
     p.add_argument("--sim-engines", type=int, default=8)
     p.add_argument("--mixes", default=",".join(m.name for m in workload.MIXES), help="the prompt mixes of the grid")
-    p.add_argument("--no-extras", action="store_true", help="skip the chat and alternating workloads")
+    p.add_argument(
+        "--cells",
+        type=sweep.cells_arg,
+        default=sweep.CELLS,
+        help=f"what to run, of {','.join(sweep.CELLS)} (default all; the capacity of --mixes is measured anyway)",
+    )
+    p.add_argument("--no-extras", action="store_true", help="skip the chat and alternating workloads (--cells grid)")
     p.add_argument(
         "--fractions",
         type=sweep.fractions_arg,
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sim-only", action="store_true", help="the simulated engines only")
     a = p.parse_args(argv)
+    cells = ("grid",) if a.no_extras else a.cells
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 duration=a.duration,
                 warmup=a.warmup,
                 mixes=tuple(a.mixes.split(",")),
-                extras=not a.no_extras,
+                cells=cells,
                 fractions=a.fractions,
             )
             results.append(sweep.Sweep(backend, opts, out, log).run())
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "goodput-real.json").write_text(json.dumps(results[-1], indent=1))
     if not a.no_sim:
         fractions = ",".join(f"{f:g}" for f in a.fractions)
-        grid = ["--mixes", a.mixes, "--fractions", fractions] + (["--no-extras"] if a.no_extras else [])
+        grid = ["--mixes", a.mixes, "--fractions", fractions, "--cells", ",".join(cells)]
         simulated.main(["--engines", str(a.sim_engines), "--out", str(out), *grid])
         results.append(json.loads((out / "goodput-sim.json").read_text()))
     md = "\n".join(report.table(r) for r in results)

@@ -19,7 +19,7 @@ def test_one_cell_runs_every_configuration_and_reports(tmp_path: Path) -> None:
         capacity_seconds=2.0,
         clients_per_engine=4,
         mixes=("mixed-20%-long",),
-        extras=False,
+        cells=("grid",),
         fractions=(0.5,),
     )
     (tmp_path / "stack").mkdir()

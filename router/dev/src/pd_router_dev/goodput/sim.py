@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the arrival rates of the grid, as fractions of the colocated capacity",
     )
     p.add_argument(
+        "--cells",
+        type=sweep.cells_arg,
+        default=sweep.CELLS,
+        help=f"what to run, of {','.join(sweep.CELLS)} (default all)",
+    )
+    p.add_argument(
         "--no-extras", action="store_true", help="skip the chat and alternating workloads"
     )
     p.add_argument("--out", default="bench-results", help="folder for goodput-*.json and .md")
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         # an H100 batches hundreds of streams: fewer clients would measure the clients
         clients_per_engine=32,
         mixes=tuple(a.mixes.split(",")),
-        extras=not a.no_extras,
+        cells=("grid",) if a.no_extras else a.cells,
         fractions=a.fractions,
     )
     out = Path(a.out)

@@ -48,6 +48,20 @@ def fractions_arg(text: str) -> tuple[float, ...]:
     return out
 
 
+CELLS = ("grid", "chat", "alternating")  # what a run holds (--cells); all by default
+
+
+def cells_arg(text: str) -> tuple[str, ...]:
+    """``--cells``: comma-separated, of ``CELLS`` (an argparse ``type``: a bad one is a usage
+    error naming the option). Without ``grid`` the colocated capacity of ``--mixes`` is still
+    measured: the extras' rates follow it."""
+    out = tuple(x for x in text.split(",") if x)
+    bad = [x for x in out if x not in CELLS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"each of {', '.join(CELLS)}: {text!r}")
+    return out
+
+
 NEVER = 1 << 30  # a threshold no prompt reaches: colocated serving
 SPLIT_THRESHOLD = 1024  # the chart's router.threshold default: today's decision
 
@@ -76,7 +90,7 @@ class Options:
     clients_per_engine: int = 8  # closed-loop clients per engine when measuring capacity
     seed: int = 33
     mixes: tuple[str, ...] = tuple(m.name for m in workload.MIXES)
-    extras: bool = True  # the multi-turn chat and the alternating workload
+    cells: tuple[str, ...] = CELLS  # the grid, the multi-turn chat, the alternating workload
     fractions: tuple[float, ...] = RATE_FRACTIONS
 
 
@@ -324,12 +338,13 @@ class Sweep:
         try:
             self.capacity = {m.name: self._capacity(m) for m in workload.MIXES if m.name in o.mixes}
             for m in workload.MIXES:
-                if m.name not in o.mixes:
+                if m.name not in o.mixes or "grid" not in o.cells:
                     continue
                 for i, f in enumerate(o.fractions):
                     self._grid_cell(m, f, i)
-            if o.extras:
+            if "chat" in o.cells:
                 self._chat_cell()
+            if "alternating" in o.cells:
                 self._alternating_cell()
         finally:
             for p in self.routers.values():
