@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests import helm
-from tests.cases import LAYERINGS, LMCACHE, model_name
+from tests.cases import LAYERINGS, LMCACHE, model_name, scenarios
 from tests.engines.rendered import chart_says_lora
 
 # `container` is unused here: tests/test_ports_and_policies.py still imports it (and lmcache_config)
@@ -143,7 +143,13 @@ def test_lmcache_extra_config_is_passed_to_both_roles(h4: Path) -> None:
 @pytest.mark.parametrize("name", LAYERINGS)
 def test_no_retired_or_unknown_lmcache_key_anywhere(h4: Path, name: str) -> None:
     # Every layering, switched to LMCache. Those serving Qwen3.5 (hybrid) must be refused instead.
-    sets = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false")
+    # (LMCache's MP mode rides on NIXL: off, or the chart refuses the switch)
+    sets = (
+        "kvTransfer.connector=lmcache",
+        "kvTransfer.nixl.lmcacheMp.enabled=false",
+        "router.replicas=1",
+        "router.autoscaling.enabled=false",
+    )
     result = helm.template(h4, LAYERINGS[name], sets=sets)
     if "qwen3.5" in model_name(LAYERINGS[name]).lower():
         assert result.returncode != 0 and "kvTransfer.connector: lmcache cannot serve" in result.stderr
@@ -248,3 +254,66 @@ def test_declared_attention_wins_over_the_name(h4: Path) -> None:
     # An operator who knows better can declare a hybrid-looking name full.
     declared_full = ("kvTransfer.connector=lmcache", "model.name=acme/mamba-distilled-llama", "model.attention=full")
     assert helm.template(h4, sets=declared_full).returncode == 0
+
+
+LMCACHE_MP = scenarios()["scenario:lmcache-mp+dev"]  # LMCache's MP mode on a full-attention model
+
+
+def test_lmcache_mp_rides_on_nixl_with_a_server_in_every_engine_pod(h4: Path) -> None:
+    """kvTransfer.nixl.lmcacheMp: vLLM's MultiConnector, NixlConnector first (the hand-off, the
+    router's NIXL route unchanged) and LMCacheMPConnector second, kv_both, at the pod's own
+    server on 127.0.0.1; that server a container of the engine pod, engine-driven, with no GPU
+    and no port any NetworkPolicy opens. Negative control: off, NixlConnector alone and no server."""
+    docs = helm.render(h4, LMCACHE_MP)
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        kv = kv_transfer_config(docs, role)
+        assert (kv["kv_connector"], kv["kv_role"], kv["kv_load_failure_policy"]) == ("MultiConnector", kv_role, "fail")
+        nixl, lmc = kv["kv_connector_extra_config"]["connectors"]
+        assert (nixl["kv_connector"], nixl["kv_role"]) == ("NixlConnector", kv_role)
+        assert lmc == {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": 6555,
+                "lmcache.mp.mp_transfer_mode": "engine_driven",
+            },
+        }
+        pod = helm.one(docs, "StatefulSet", f"-{role}")["spec"]["template"]["spec"]
+        (server,) = [c for c in pod["containers"] if c["name"] == "lmcache-server"]
+        assert "--port=6555" in server["args"] and "--host=127.0.0.1" in server["args"]
+        assert "--supported-transfer-mode=engine_driven" in server["args"] and "--l1-size-gb=40" in server["args"]
+        assert server["resources"]["limits"]["memory"] == server["resources"]["requests"]["memory"] == "42Gi"
+        assert "nvidia.com/gpu" not in str(server["resources"])
+        assert server["securityContext"]["runAsNonRoot"] is True
+        policy = helm.one(docs, "NetworkPolicy", f"-{role}")
+        opened = {p.get("port") for rule in policy["spec"].get("ingress", []) for p in rule.get("ports", [])}
+        assert not opened & {6555, 6556, "lmcache-http"}, opened
+    off = helm.render(h4, LMCACHE_MP, ("kvTransfer.nixl.lmcacheMp.enabled=false",))
+    assert kv_transfer_config(off, "decode")["kv_connector"] == "NixlConnector"
+    assert all(
+        c["name"] != "lmcache-server"
+        for c in helm.one(off, "StatefulSet", "-decode")["spec"]["template"]["spec"]["containers"]
+    )
+
+
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (
+            ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false"),
+            "rides on the NIXL hand-off",
+        ),
+        (("model.name=Qwen/Qwen3.5-9B", "model.attention="), "is a hybrid model"),
+        (
+            ("model.lora.adapters[0].name=a", "model.lora.adapters[0].rank=8", "model.lora.adapters[0].path=/models/a"),
+            "leaves the LoRA adapter out",
+        ),
+        (("prefill.nodes=2",), "prefill.nodes is 2"),
+    ],
+    ids=["lmcache connector", "hybrid model", "lora", "multi-node"],
+)
+def test_lmcache_mp_is_refused_where_it_cannot_serve(h4: Path, sets: tuple[str, ...], words: str) -> None:
+    result = helm.template(h4, LMCACHE_MP, sets)
+    assert result.returncode != 0
+    assert "kvTransfer.nixl.lmcacheMp.enabled: " in result.stderr and words in result.stderr, result.stderr

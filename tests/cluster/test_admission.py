@@ -323,3 +323,21 @@ def test_the_chart_refuses_exactly_the_route_timeouts_the_api_server_refuses(clu
         if (chart.returncode == 0) != (server.returncode == 0):
             disagree.append((request, backend, chart.stderr.strip()[-200:], server.stderr.strip()[-200:]))
     assert not disagree, disagree
+
+
+def test_lmcache_mp_engine_pods_pass_strict_server_side_validation(cluster: ControlPlane) -> None:
+    """LMCache's MP mode (render scenario `scenario:lmcache-mp+dev`): every object as the API
+    server keeps it, and each engine pod, with its `lmcache-server` container, as admission
+    makes it in a namespace at the dev environment's Pod Security level."""
+    from tests import cases
+
+    ns = "lmcache-mp"
+    cluster.apply([fleet.namespace(ns, POD_SECURITY["dev"])])
+    docs = helm.render(helm.helm_binaries()[0], cases.LAYERINGS["scenario:lmcache-mp+dev"], namespace=ns)
+    _served(cluster, docs)
+    for doc in docs:
+        if doc["kind"] != "StatefulSet":
+            continue
+        (pod,) = _served(cluster, [rendered.pod_of(doc, ns)])
+        names = [c["name"] for c in pod["spec"]["containers"]]
+        assert "lmcache-server" in names, names

@@ -12,7 +12,12 @@ from typing import Any
 from tests import helm, manifests
 from tests.cases import LAYERINGS, LMCACHE
 
-FORCE_LMCACHE = ("kvTransfer.connector=lmcache", "router.replicas=1", "router.autoscaling.enabled=false")
+FORCE_LMCACHE = (
+    "kvTransfer.connector=lmcache",
+    "kvTransfer.nixl.lmcacheMp.enabled=false",  # LMCache's MP mode rides on NIXL (the chart refuses it on lmcache)
+    "router.replicas=1",
+    "router.autoscaling.enabled=false",
+)
 
 
 @functools.cache
@@ -83,6 +88,13 @@ def lora_sets(names: tuple[str, ...]) -> tuple[str, ...]:
     )
 
 
+# ... and the dev environment with LMCache's MP mode beside NIXL (tests/real_engine/
+# test_real_lmcache_mp.py), its model declared full-attention: the tier serves the tiny dense
+# model (the chart refuses LMCache's MP mode for the profile's hybrid Qwen3.5).
+REAL_ONLY_RENDERS["env:dev lmcache-mp"] = (
+    (*LAYERINGS["env:dev"], "tests/values/lmcache-mp.yaml"),
+    ("model.attention=full",),
+)
 REAL_ONLY_RENDERS["env:dev lora"] = (LAYERINGS["env:dev"], lora_sets(LORA_ADAPTERS))
 REAL_ONLY_RENDERS["env:dev lora one"] = (LAYERINGS["env:dev"], lora_sets(LORA_ADAPTERS[:1]))
 # Adapters from both sources, for vLLM's own parsers (tests/engines/test_engine_vllm_cli.py).
@@ -147,6 +159,8 @@ class Engine:
     env: dict[str, str]  # literal env values (valueFrom entries left out)
     tp: int
     lmcache_yaml: str | None
+    # the pod's LMCache MP server (kvTransfer.nixl.lmcacheMp): its container's command + args
+    lmcache_server: list[str] | None = None
 
     @property
     def name(self) -> str:
@@ -194,6 +208,14 @@ def engines(render: str) -> tuple[Engine, ...]:
                     env={e["name"]: expand(e["value"]) for e in c.get("env", []) if "value" in e},
                     tp=int(next(a for a in args if a.startswith("--tensor-parallel-size=")).split("=")[1]),
                     lmcache_yaml=cms[0]["data"]["lmcache.yaml"] if cms else None,
+                    lmcache_server=next(
+                        (
+                            [*s["command"], *s["args"]]
+                            for s in pod["spec"]["containers"]
+                            if s["name"] == "lmcache-server"
+                        ),
+                        None,
+                    ),
                 )
             )
     return tuple(out)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import helm
+from tests import cases, helm
 from tests.cases import LMCACHE
 from tests.engines import stack
 from tests.manifests import lmcache_config
@@ -227,3 +227,16 @@ def test_a_hub_adapter_that_cannot_be_fetched_names_its_field(tmp_path: Path) ->
     args = rendered_command(sets=LORA_SETS)
     line = failure_line(preflight(args, tmp_path, extra_env=_hub_env(tmp_path)))
     assert line.startswith(f"model.lora.adapters[0].hub: cannot download acme/support-lora at {LORA_COMMIT}"), line
+
+
+def test_lmcache_mp_connector_is_imported_before_the_engine_starts(tmp_path: Path) -> None:
+    """kvTransfer.nixl.lmcacheMp: the preflight imports LMCache's MP connector as vLLM will;
+    negative control: an image whose LMCache lacks it fails in one line naming the field."""
+    args = rendered_command(cases.LAYERINGS["scenario:lmcache-mp+dev"], ("efa.enabled=false",))
+    assert "--lmcache-mp" in args
+    proc = preflight(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f", lmcache-mp {stack.checked('lmcache')[0]}, " in proc.stderr, proc.stderr
+    broken = {"lmcache.integration.vllm.lmcache_mp_connector": "raise ImportError('no MP connector in this build')"}
+    line = failure_line(preflight(args, tmp_path, shim=broken))
+    assert line.startswith("kvTransfer.nixl.lmcacheMp.enabled needs LMCache's MP connector"), line

@@ -101,7 +101,18 @@ def test_kv_transfer_config_parses_into_vllms_kv_transfer_config(vllm_version: s
     for key, value in rendered_kv.items():
         assert result["kv"][key] == value, key
     # The connector the chart names is one vLLM has registered, and its class is the one used.
-    assert result["connector_class"] in {"LMCacheConnectorV1", "NixlConnector", "NixlPullConnector"}
+    assert result["connector_class"] in {"LMCacheConnectorV1", "NixlConnector", "NixlPullConnector", "MultiConnector"}
+    if result["connector_class"] == "MultiConnector":
+        # LMCache's MP mode (kvTransfer.nixl.lmcacheMp): NIXL first (it loads a decode leg's KV),
+        # then LMCache's own LMCacheMPConnector class, which vLLM prefers to its copy
+        # (kv_connector/v1/lmcache_mp_connector.py) when LMCache is installed, as in the image
+        children = result["children"]
+        assert [c.get("class") for c in children] in (
+            ["NixlConnector", "LMCacheMPConnector"],
+            ["NixlPullConnector", "LMCacheMPConnector"],
+        ), children
+        assert children[1]["module"] == "lmcache.integration.vllm.lmcache_mp_connector", children
+        assert children[1]["kv_role"] == "kv_both", children  # it stores only as a producer
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=lambda e: e.name)

@@ -23,12 +23,14 @@ FLEX_ROLE = "decode"
 
 # Modules that run last, in this order, so the dense pair starts once and stops once (Pairs):
 # test_real_kv_events.py is the dense pair's last user (it replaces the decoder, then stops the
-# pair); test_real_demo.py runs `make demo-real`, which starts engines of its own;
+# pair); test_real_lmcache_mp.py starts a pair of its own (LMCache's MP mode, vLLM's dev mode);
+# test_real_demo.py runs `make demo-real`, which starts engines of its own;
 # test_real_flex.py starts the flexible layout's pair (two kv_both engines, FLEX), its
 # last test killing one; test_real_tracing.py starts a pair of its own (tracing on); the others
 # need the machine to themselves (no dense pair).
 LAST = (
     "test_real_kv_events.py",
+    "test_real_lmcache_mp.py",
     "test_real_demo.py",
     "test_real_flex.py",
     "test_real_tracing.py",

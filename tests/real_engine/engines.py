@@ -30,7 +30,12 @@ The changes, and why (one list; everything else is the chart's):
   and worker are forked from the API server, vLLM's default that its CPU platform overrides with
   spawn (each then imports torch and vLLM again: 38 s to ready instead of 18) (harness/engine_site);
 - with tracing on, the collector on loopback for ``--otlp-traces-endpoint``, and the pod name
-  the kubelet would put in ``OTEL_RESOURCE_ATTRIBUTES`` (``$(POD_NAME)``).
+  the kubelet would put in ``OTEL_RESOURCE_ATTRIBUTES`` (``$(POD_NAME)``);
+- with LMCache's MP mode (kvTransfer.nixl.lmcacheMp), the pod's ``lmcache-server`` container as
+  a process of its own (:class:`LMCacheServer`): the engine stack's Python, its ports free ones
+  on loopback (HTTP too), ``--l1-size-gb`` the KV cache's ``KV_CACHE_GIB``; the engine's
+  LMCacheMPConnector pointed at it. vLLM 0.31's CPU platform cannot start a worker once LMCache's
+  MP connector is loaded without harness/engine_site's llvmlite fix (its docstring).
 """
 
 from __future__ import annotations
@@ -224,12 +229,15 @@ class Engine:
     events_port: int = 0  # its KV-event publisher (ZMQ PUB), when the chart renders one
     replay_port: int = 0  # ... and its replay ROUTER
     host: str = "127.0.0.1"  # a loopback address of its own stands for a pod's IP
+    server: LMCacheServer | None = None  # the pod's LMCache MP server (kvTransfer.nixl.lmcacheMp)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> Engine:
+        if self.server is not None:  # first, as the pod's containers start (vLLM's connector waits for it)
+            self.server.start()
         lf = open(self.log, "ab")  # noqa: SIM115 - the child owns it
         self.popen = subprocess.Popen(
             self.argv,
@@ -248,6 +256,8 @@ class Engine:
         assert self.popen is not None
         if self.popen.poll() is not None:
             raise RuntimeError(f"{self.role} engine exited with {self.popen.returncode}:\n{self.log_tail()}")
+        if self.server is not None and not self.server.ready():
+            return False
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return r.status == 200
@@ -280,10 +290,89 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
         self.popen = None
+        if self.server is not None:
+            self.server.stop()
 
     def restart(self) -> Engine:
         self.stop()
         return self.start()
+
+
+@dataclass
+class LMCacheServer:
+    """An engine pod's LMCache MP server (its ``lmcache-server`` container), pinned to the
+    engine's core."""
+
+    argv: list[str]
+    http_port: int
+    core: int
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        lf = open(self.log, "ab")  # noqa: SIM115 - the child owns it
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON", "LMCACHE_"))}
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=lf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**env, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, {self.core}),  # noqa: PLW1509
+        )
+        lf.close()
+
+    def ready(self) -> bool:
+        """Serving: ``/`` answers (``/healthcheck`` waits for an engine to attach), as the
+        chart's startup probe asks."""
+        assert self.popen is not None
+        if self.popen.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"LMCache server exited with {self.popen.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        self.popen = None
+
+
+def lmcache_server(e: rendered.Engine, core: int, workdir: Path, role: str) -> tuple[LMCacheServer, int]:
+    """The pod's ``lmcache-server`` container as rendered, changed as the module docstring lists;
+    with its request port."""
+    cmd = list(e.lmcache_server or [])
+    i = cmd.index("-m")
+    port, http = free_port(), free_port()
+    args = []
+    for a in cmd[i + 2 :]:
+        key = a.split("=", 1)[0]
+        a = {
+            "--port": f"--port={port}",
+            "--http-host": "--http-host=127.0.0.1",
+            "--http-port": f"--http-port={http}",
+            "--l1-size-gb": f"--l1-size-gb={KV_CACHE_GIB}",
+        }.get(key, a)
+        args.append(a)
+    argv = [str(stack.python()), *cmd[i : i + 2], *args]
+    log = workdir / f"{role}-lmcache-server-{port}-{time.monotonic_ns()}.log"
+    return LMCacheServer(argv, http, core, log), port
 
 
 def wait_ready(engines: Iterable[Engine], timeout: float = START_SECONDS) -> None:
@@ -316,6 +405,7 @@ def cpu_command(
     otlp: str = "",
     model_path: Path | None = None,
     host: str = "127.0.0.1",
+    lmcache_port: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """The chart's command line and env for ``e``, changed only as the module docstring lists;
     ``events``: the KV-event publisher and replay ports; ``otlp``: the collector's endpoint;
@@ -338,8 +428,13 @@ def cpu_command(
             a = f"--otlp-traces-endpoint={otlp}"
         elif a == "--kv-transfer-config":
             kv = json.loads(next(it))
-            if kv["kv_connector"] == "NixlConnector":
-                kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}), "backends": ["UCX"]}
+            children = kv.get("kv_connector_extra_config", {}).get("connectors", [])  # MultiConnector's
+            for c in [kv, *children]:
+                if c["kv_connector"] == "NixlConnector":
+                    c["kv_connector_extra_config"] = {**c.get("kv_connector_extra_config", {}), "backends": ["UCX"]}
+                elif c["kv_connector"] == "LMCacheMPConnector":
+                    assert lmcache_port, "an engine with LMCache's MP connector needs its server's port"
+                    c["kv_connector_extra_config"]["lmcache.mp.port"] = lmcache_port
             out += [a, json.dumps(kv)]
             continue
         elif a == "--kv-events-config":
@@ -403,6 +498,7 @@ def engine(
     otlp: str = "",
     model_path: Path | None = None,
     host: str = "127.0.0.1",
+    env_extra: dict[str, str] | None = None,
 ) -> Engine:
     """An engine as ``render`` renders ``role``; ``port``: its HTTP port (a pod replaced in place
     keeps its name: the router's static pool keeps the address); ``otlp``: the collector;
@@ -410,14 +506,31 @@ def engine(
     headless Service share a port at addresses of their own)."""
     port, side = port or free_port(), free_port()
     events = (free_port(), free_port())
+    rendered_engine = chart_engine(role, render)
+    server, lmcache_port = None, 0
+    if rendered_engine.lmcache_server is not None:
+        server, lmcache_port = lmcache_server(rendered_engine, core, workdir, role)
     argv, env = cpu_command(
-        chart_engine(role, render), kind, port, side, core, extra, weights, events, otlp, model_path, host
+        rendered_engine, kind, port, side, core, extra, weights, events, otlp, model_path, host, lmcache_port
     )
+    env.update(env_extra or {})
     log = workdir / f"{role}-{kind}-w{weights}-{port}-{time.monotonic_ns()}.log"
     publishes = "--kv-events-config" in argv
     ev = events if publishes else (0, 0)
     return Engine(
-        role, kind, core, port, side, argv, env, log, extra=list(extra), events_port=ev[0], replay_port=ev[1], host=host
+        role,
+        kind,
+        core,
+        port,
+        side,
+        argv,
+        env,
+        log,
+        extra=list(extra),
+        events_port=ev[0],
+        replay_port=ev[1],
+        host=host,
+        server=server,
     )
 
 

@@ -252,6 +252,22 @@ def check_lmcache_config(log: str) -> str:
     return version_of("lmcache") or "unknown"
 
 
+def check_lmcache_mp(log: str) -> str:
+    """LMCache's MP connector imports as vLLM will load it (vLLM 0.31 prefers LMCache's own
+    ``lmcache.integration.vllm.lmcache_mp_connector`` class to its copy when LMCache is
+    installed; an image without it would fail in the engine's worker, after the model loaded).
+    Returns LMCache's version."""
+    try:
+        with native_output_to(log):
+            importlib.import_module("lmcache.integration.vllm.lmcache_mp_connector")
+    except ImportError as exc:
+        raise Failed(
+            f"kvTransfer.nixl.lmcacheMp.enabled needs LMCache's MP connector, but the engine image cannot import it "
+            f"({exc}); use an LMCache engine image (engine.image), or turn it off"
+        ) from None
+    return version_of("lmcache") or "unknown"
+
+
 # --------------------------------------------------------------------------- EFA
 def check_efa(expected: int) -> int:
     visible = len(glob.glob(EFA_DEVICE_GLOB))
@@ -354,6 +370,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--buffer-device", choices=["cuda", "cpu"], default="cpu", help="where the KV buffer lives")
     p.add_argument("--buffer-field", default="kvTransfer.nixl.bufferDevice", help="values field named on failure")
     p.add_argument("--efa-devices", type=int, default=0, help="EFA devices requested (0 = EFA off)")
+    p.add_argument(
+        "--lmcache-mp", action="store_true", help="LMCache's MP connector beside NIXL (kvTransfer.nixl.lmcacheMp)"
+    )
     p.add_argument("--checked-vllm", default="", help="comma-separated vLLM versions the chart was checked against")
     p.add_argument("--timeout-seconds", type=float, default=300, help="deadline of the NIXL/LMCache checks")
     p.add_argument(
@@ -383,6 +402,8 @@ def run_library_checks(args: argparse.Namespace) -> list[str]:
     ]
     if args.connector == "lmcache":
         parts.append(f"lmcache {check_lmcache_config(args.child)}")
+    if args.lmcache_mp:
+        parts.append(f"lmcache-mp {check_lmcache_mp(args.child)}")
     return parts
 
 

@@ -115,7 +115,23 @@ and run it. */ -}}
 {{- $role = "kv_both" -}}
 {{- end -}}
 {{- $connector := (include "pd-inference.connector" .ctx | fromJson).vllmConnector -}}
-{{- dict "kv_connector" $connector "kv_role" $role "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra | toJson -}}
+{{- $nixl := dict "kv_connector" $connector "kv_role" $role "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" $extra -}}
+{{- if include "pd-inference.lmcacheMp" .ctx -}}
+{{- /* LMCache's MP mode (kvTransfer.nixl.lmcacheMp), the shape of LMCache's docs
+(mp/disaggregated_prefill): MultiConnector, NixlConnector first, LMCacheMPConnector second. vLLM
+0.31.0 / 0.33.0 multi_connector.py: a request loads from the first child that reports tokens
+(a decode leg's do_remote_prefill: NIXL's), every child saves; the children's
+kv_transfer_params are merged and LMCache's adds none, so the router's NIXL protocol is
+unchanged. The scheduler reads kv_load_failure_policy from the top level only
+(v1/core/sched/scheduler.py), so it is set there too. LMCacheMPConnector (LMCache 0.5.6's own
+class, which vLLM 0.31 prefers to its copy) stores only where its own kv_role is a producer:
+kv_both on every engine, as LMCache's docs render it. Its server is the pod's lmcache-server
+container, on 127.0.0.1, both engine-driven (engine/_pod.tpl lmcacheServer says why). */ -}}
+{{- $port := include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "lmcache-mp") | int -}}
+{{- $lmcache := dict "kv_connector" "LMCacheMPConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "lmcache.mp.host" "tcp://127.0.0.1" "lmcache.mp.port" $port "lmcache.mp.mp_transfer_mode" "engine_driven") -}}
+{{- $nixl = dict "kv_connector" "MultiConnector" "kv_role" $role "kv_load_failure_policy" $v.kvTransfer.nixl.loadFailurePolicy "kv_buffer_device" $v.kvTransfer.nixl.bufferDevice "kv_connector_extra_config" (dict "connectors" (list $nixl $lmcache)) -}}
+{{- end -}}
+{{- $nixl | toJson -}}
 {{- end -}}
 
 {{- define "pd-inference.connectors.nixl.env" -}}
@@ -143,6 +159,12 @@ and run it. */ -}}
 {{- /* Data-parallel rank i's side channel listens on ports.nixlSideChannel + i, on the pod that runs it
 (vLLM 0.31.0 / 0.33.0, nixl/base_scheduler.py); the router reaches only the API, so only the range's rule. */ -}}
 {{- $p = append $p (dict "name" "nixl-side-dp" "port" (add $v.ports.nixlSideChannel 1) "endPort" (add $v.ports.nixlSideChannel (sub $dp 1)) "field" "ports.nixlSideChannel" "container" "" "service" false "from" (list .other) "doc" (printf "The side channels of data-parallel ranks 1 and up (ports.nixlSideChannel + rank), from %s." .otherDoc)) -}}
+{{- end -}}
+{{- if include "pd-inference.lmcacheMp" .ctx -}}
+{{- /* The pod's LMCache MP server (kvTransfer.nixl.lmcacheMp): its requests on 127.0.0.1, its
+HTTP API for the kubelet's probes; nobody else may connect. */ -}}
+{{- $p = append $p (dict "name" "lmcache-mp" "port" (int $v.ports.lmcacheMpServer) "field" "ports.lmcacheMpServer" "container" "" "service" false "from" list "doc" "") -}}
+{{- $p = append $p (dict "name" "lmcache-http" "port" (int $v.ports.lmcacheMpHttp) "field" "ports.lmcacheMpHttp" "container" "lmcache-server" "service" false "from" list "doc" "") -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $p -}}

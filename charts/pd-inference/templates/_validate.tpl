@@ -8,6 +8,7 @@ order (the first rule broken is the one reported).
 {{- include "pd-inference.validate.moved" . -}}
 {{- include "pd-inference.validate.model" . -}}
 {{- include "pd-inference.validate.lora" . -}}
+{{- include "pd-inference.validate.lmcacheMp" . -}}
 {{- include "pd-inference.validate.layout" . -}}
 {{- include "pd-inference.validate.notifications" . -}}
 {{- include "pd-inference.validate.tracing" . -}}

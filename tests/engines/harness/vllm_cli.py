@@ -100,6 +100,18 @@ def parse(case: dict) -> dict:
         cls = KVConnectorFactory.get_connector_class(kv)
         out["connector_class"] = cls.__name__
         out["supports_hma"] = KVConnectorFactory.supports_hma_config(kv)
+        if kv.kv_connector == "MultiConnector":
+            # each child as MultiConnector builds it (multi_connector.py: a KVTransferConfig of
+            # the entry's own fields), and the class vLLM loads for it
+            children = []
+            for entry in (kv.kv_connector_extra_config or {}).get("connectors", []):
+                try:
+                    child = KVTransferConfig(**entry)
+                    c = KVConnectorFactory.get_connector_class(child)
+                    children.append({"class": c.__name__, "module": c.__module__, "kv_role": child.kv_role})
+                except Exception as exc:
+                    children.append({"error": f"{type(exc).__name__}: {exc}"})
+            out["children"] = children
     ke = ea.kv_events_config
     if ke is not None:
         out["kv_events"] = {

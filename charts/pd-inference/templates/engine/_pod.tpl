@@ -228,3 +228,84 @@ first. Flexible: the decoders, the only role, follow each other. Empty when none
 {{- define "pd-inference.engine.gpusPerPod" -}}
 {{- div (mul (int .tensorParallelSize) (int (.dataParallelSize | default 1))) (int (.nodes | default 1)) -}}
 {{- end -}}
+
+{{/*
+The LMCache MP server of an engine pod (kvTransfer.nixl.lmcacheMp): `lmcache server` of the
+engine image's LMCache (LMCache 0.5.6: lmcache/cli/commands/server.py runs
+lmcache.v1.multiprocess.http_server, started here as that module with the image's Python, so no
+console script on PATH is assumed). Its requests on 127.0.0.1 (only this pod's vLLM), its HTTP
+API on the pod IP for the kubelet's probes: `/` answers once it serves (`/healthcheck` waits for
+an engine to attach, which would hold a startup probe). `--disable-metrics`: its Prometheus
+port is not in the chart's port model; vLLM's own metrics count what the connector loads
+(`vllm:prompt_tokens_by_source_total`). The KV it keeps is CPU memory of this container, its
+request and limit `l1SizeGiB` + `overheadGiB`. Transfers engine-driven (LMCache 0.5.6
+v1/multiprocess/transfer_mode.py): vLLM's worker copies KV between its device and CPU buffers
+and sends them over the ZMQ socket (no --shm-name), so this container needs no GPU and the two
+containers share no memory; the zero-copy lmcache_driven mode, LMCache's default on CUDA, maps
+the engine's GPU memory over CUDA IPC and needs the node's GPUs visible here (LMCache's
+docs/mp/deployment), and a --shm-name pool needs a /dev/shm as large as the L1, which a
+memory-backed emptyDir counts against the pod's memory. Up until vLLM's API closes, as the other helpers:
+vLLM drains with its connector attached. (dict "ctx" $ "role" "prefill").
+*/}}
+{{- define "pd-inference.engine.lmcacheServer" -}}
+{{- $v := .ctx.Values -}}
+{{- $mp := $v.kvTransfer.nixl.lmcacheMp -}}
+{{- $r := get $v .role -}}
+{{- $memory := printf "%dGi" (add (int $mp.l1SizeGiB) (int $mp.overheadGiB)) -}}
+{{- $stop := include "pd-inference.engine.preStopSeconds" .ctx -}}
+- name: lmcache-server
+  image: {{ include "pd-inference.engine.image" . | quote }}
+  imagePullPolicy: {{ $v.engine.image.pullPolicy }}
+  command:
+    - {{ $v.engine.preflight.python }}
+    - -m
+    - lmcache.v1.multiprocess.http_server
+  args:
+    {{- include "pd-inference.engine.lmcacheServerArgs" . | nindent 4 }}
+  ports:
+    {{- include "pd-inference.containerPorts" (dict "ctx" .ctx "component" .role "container" "lmcache-server") | nindent 4 }}
+  startupProbe:
+    httpGet:
+      path: /
+      port: lmcache-http
+    periodSeconds: 5
+    failureThreshold: 60
+  livenessProbe:
+    httpGet:
+      path: /
+      port: lmcache-http
+    periodSeconds: 15
+    failureThreshold: 4
+  lifecycle:
+    {{- include "pd-inference.preStopWait" (dict "python" $v.engine.preflight.python "seconds" $stop "untilClosed" (include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "http")) "atMost" (add ($stop | int) (int $r.drainSeconds))) | nindent 4 }}
+  resources:
+    requests:
+      cpu: {{ $mp.cpu | quote }}
+      memory: {{ $memory }}
+    limits:
+      memory: {{ $memory }}
+  securityContext:
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: {{ $v.engine.readOnlyRootFilesystem }}
+    runAsNonRoot: true
+    capabilities:
+      drop: [ALL]
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+{{- end -}}
+
+{{/* The LMCache MP server's arguments (LMCache 0.5.6 `lmcache server --help`; tests/engines/ parses them with that package's own parser). (dict "ctx" $ "role" "prefill"). */}}
+{{- define "pd-inference.engine.lmcacheServerArgs" -}}
+{{- $v := .ctx.Values -}}
+{{- $mp := $v.kvTransfer.nixl.lmcacheMp -}}
+- --host=127.0.0.1
+- --port={{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "lmcache-mp") }}
+- --http-host=0.0.0.0
+- --http-port={{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "lmcache-http") }}
+- --l1-size-gb={{ $mp.l1SizeGiB }}
+- --eviction-policy={{ $mp.evictionPolicy }}
+- --chunk-size={{ $mp.chunkSize }}
+- --supported-transfer-mode=engine_driven
+- --disable-metrics
+{{- end -}}

@@ -55,6 +55,9 @@ spec:
         - --buffer-device={{ (get $v.kvTransfer $v.kvTransfer.connector).bufferDevice }}
         - --buffer-field=kvTransfer.{{ $v.kvTransfer.connector }}.bufferDevice
         - --efa-devices={{ ternary (int $v.efa.devices) 0 $v.efa.enabled }}
+        {{- if include "pd-inference.lmcacheMp" $ }}
+        - --lmcache-mp
+        {{- end }}
         - --checked-vllm={{ index $.Chart.Annotations "pd-inference.io/checked-vllm" }}
         - --timeout-seconds={{ $v.engine.preflight.timeoutSeconds }}
         {{- range $i, $a := $v.model.lora.adapters }}
@@ -153,6 +156,9 @@ spec:
         runAsNonRoot: true
         capabilities:
           drop: [ALL]
+    {{- end }}
+    {{- if and (include "pd-inference.lmcacheMp" $) (not $worker) }}
+    {{- include "pd-inference.engine.lmcacheServer" $pod | nindent 4 }}
     {{- end }}
     {{- if and $v.engine.metricsProxy.enabled (not $worker) }}
     # vLLM serves /metrics on its API port and a NetworkPolicy cannot filter paths: Prometheus

@@ -55,6 +55,34 @@ or serve wrong, named here. The schema has each adapter's fields.
 {{- end -}}
 {{- end -}}
 
+{{- /*
+LMCache's MP mode beside the NIXL hand-off (kvTransfer.nixl.lmcacheMp): what it cannot serve,
+named. Its cache key has no adapter (LMCache 0.5.6's MP keys, like its in-process ones: vLLM
+issue 44250); a hybrid model's MP KV was reported silently wrong (LMCache issue 4247, fix open
+when checked, 2026-12); the server runs in the engine's pod, where a multi-node engine's workers
+have none.
+*/ -}}
+{{- define "pd-inference.validate.lmcacheMp" -}}
+{{- $v := .Values -}}
+{{- if $v.kvTransfer.nixl.lmcacheMp.enabled -}}
+{{- $f := "kvTransfer.nixl.lmcacheMp.enabled" -}}
+{{- if ne $v.kvTransfer.connector "nixl" -}}
+{{- fail (printf "%s: LMCache's MP mode rides on the NIXL hand-off (vLLM's MultiConnector of NixlConnector and LMCacheMPConnector), and kvTransfer.connector is %s; use kvTransfer.connector: nixl, or turn it off" $f $v.kvTransfer.connector) -}}
+{{- end -}}
+{{- if $v.model.lora.adapters -}}
+{{- fail (printf "%s: LMCache's MP cache key leaves the LoRA adapter out (vLLM issue 44250), so one adapter's request could load another's KV; model.lora.adapters needs it off" $f) -}}
+{{- end -}}
+{{- if eq (include "pd-inference.hybridModel" .) "true" -}}
+{{- fail (printf "%s: %s is a hybrid model, whose KV LMCache's MP mode was reported to load wrong (LMCache issue 4247, open when the chart was checked); turn it off for this model" $f $v.model.name) -}}
+{{- end -}}
+{{- range $role := include "pd-inference.engineRoles" . | fromJsonArray -}}
+{{- if gt (int ((get $v $role).nodes | default 1)) 1 -}}
+{{- fail (printf "%s: %s.nodes is %d, and the LMCache server runs in the engine's pod, where the other nodes' vLLM workers have none; turn it off for multi-node engines" $f $role (int (get $v $role).nodes)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pd-inference.validate.layout" -}}
 {{- $v := .Values -}}
 {{- $connector := include "pd-inference.connector" . | fromJson -}}

@@ -11,7 +11,15 @@ changes, each applied when the module it patches is first imported (:class:`_OnI
   a fresh interpreter that imports torch and vLLM again: about 10 s each on one pinned core, 20
   of an engine's 38 s start (2026-12-06). vLLM's default is fork (envs.py), what a GPU pod uses
   unless CUDA is initialised first (utils/system_utils.py _maybe_force_spawn); the tier forks
-  too, and an engine is ready in about 18 s."""
+  too, and an engine is ready in about 18 s.
+- llvmlite's ``ffi.lib`` (``_lib_wrapper``, imported through numba by LMCache 0.5.6's MP
+  connector: lmcache/v1/multiprocess/token_hasher.py) answers any attribute, ``__dict__``
+  included, with a wrapped C function, and vLLM 0.31's CPU platform scans every module's
+  attributes at worker start calling ``vars(value).get("kernel")`` on each that has a
+  ``__dict__`` (triton_utils/dispatcher.py ``_rebind_kernels``, from platforms/cpu.py): the worker
+  died with "'_lib_fn_wrapper' object has no attribute 'get'". Dunder names are refused instead
+  (a C library exports none), so the scan passes it by. CPU-only: vLLM's GPU platforms do not
+  scan."""
 
 import importlib.abc
 import importlib.machinery
@@ -65,5 +73,18 @@ def _fork_engine_processes(module):
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def _llvmlite_lib_without_dunders(module):
+    cls = module._lib_wrapper
+    real = cls.__getattr__
+
+    def __getattr__(self, name):  # noqa: N807 - the protocol's name
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return real(self, name)
+
+    cls.__getattr__ = __getattr__
+
+
 sys.meta_path.insert(0, _OnImport(("nixl_cu13._bindings", "nixl_cu12._bindings"), _slow_nixl_progress_thread))
+sys.meta_path.insert(0, _OnImport(("llvmlite.binding.ffi",), _llvmlite_lib_without_dunders))
 sys.meta_path.insert(0, _OnImport(("vllm.platforms.cpu",), _fork_engine_processes))
