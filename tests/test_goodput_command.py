@@ -39,6 +39,10 @@ def test_cells_pick_what_runs_and_a_bad_one_is_a_usage_error(
             main(["--cells", "grid,chats"])
         assert bad.value.code == 2
         assert "--cells: each of grid, chat, alternating: 'grid,chats'" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as both:
+            main(["--cells", "chat", "--no-extras"])
+        assert both.value.code == 2
+        assert "--no-extras and --cells: give one" in capsys.readouterr().err
     seen: list[list[str]] = []
 
     def stub(argv: list[str]) -> int:

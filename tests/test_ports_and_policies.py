@@ -11,7 +11,15 @@ import pytest
 
 from tests import helm, manifests
 from tests.cases import LAYERINGS, LMCACHE
-from tests.manifests import container, container_ports, lmcache_config, policy_ports, router_config, service_ports
+from tests.manifests import (
+    container,
+    container_ports,
+    kv_transfer_config,
+    lmcache_config,
+    policy_ports,
+    router_config,
+    service_ports,
+)
 
 CUSTOM_PORTS = (
     "ports.engineHttp=8100",
@@ -22,6 +30,8 @@ CUSTOM_PORTS = (
     "ports.nixlSideChannel=9600",
     "ports.kvEvents=9800",
     "ports.kvEventsReplay=9801",
+    "ports.lmcacheMpServer=9900",
+    "ports.lmcacheMpHttp=9901",
     "prefill.tensorParallelSize=2",
     "decode.tensorParallelSize=2",
 )
@@ -71,6 +81,26 @@ def test_nixl_ports_agree_everywhere(h4: Path) -> None:
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9600"
     assert container_ports(docs, "Deployment", "-router") == {"http": 8200}
     assert policy_ports(docs, "-router") == {8200}
+
+
+def test_lmcache_mp_ports_agree_everywhere_and_stay_in_the_pod(h4: Path) -> None:
+    """kvTransfer.nixl.lmcacheMp: the engine's connector and its pod's server on the same port,
+    both of the server's ports on 127.0.0.1, on no container, Service or NetworkPolicy."""
+    sets = CUSTOM_PORTS + ("kvTransfer.nixl.lmcacheMp.enabled=true", "model.attention=full")
+    docs = helm.render(h4, sets=sets)
+    for role in ("prefill", "decode"):
+        kv = kv_transfer_config(docs, role)
+        (lmc,) = [c for c in kv["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "LMCacheMPConnector"]
+        assert (
+            lmc["kv_connector_extra_config"]["lmcache.mp.host"],
+            lmc["kv_connector_extra_config"]["lmcache.mp.port"],
+        ) == ("tcp://127.0.0.1", 9900)
+        pod = helm.one(docs, "StatefulSet", f"-{role}")["spec"]["template"]["spec"]
+        (server,) = [c for c in pod["containers"] if c["name"] == "lmcache-server"]
+        assert {"--host=127.0.0.1", "--port=9900", "--http-host=127.0.0.1", "--http-port=9901"} <= set(server["args"])
+        assert "ports" not in server and "127.0.0.1:9901/" in server["livenessProbe"]["exec"]["command"][-1]
+        assert service_ports(docs, f"-{role}") == {"http": 8100, "nixl-side": 9600}
+        assert policy_ports(docs, f"-{role}") == {8100, 9800, 9801, 9600}
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -291,6 +321,8 @@ def test_egress_opens_only_ports_the_peer_listens_on(h4: Path) -> None:
             ("engine.kvEvents.enabled=false", "ports.kvEvents=7300"),
             ("ports.kvEvents", "ports.lmcacheInitBase", "decode pods"),
         ),
+        # LMCache's MP server's ports, even while it is off
+        ((), ("ports.lmcacheMpHttp=5557",), ("ports.kvEvents", "ports.lmcacheMpHttp", "prefill pods")),
         # the notification sidecar binds ports.proxyNotification on 127.0.0.1 in the prefill pod
         (
             (LMCACHE,),

@@ -326,14 +326,13 @@ def test_the_chart_refuses_exactly_the_route_timeouts_the_api_server_refuses(clu
 
 
 def test_lmcache_mp_engine_pods_pass_strict_server_side_validation(cluster: ControlPlane) -> None:
-    """LMCache's MP mode (render scenario `scenario:lmcache-mp+dev`): every object as the API
-    server keeps it, and each engine pod, with its `lmcache-server` container, as admission
-    makes it in a namespace at the dev environment's Pod Security level."""
-    from tests import cases
-
+    """LMCache's MP mode on the chart defaults (no EFA, whose engines need `privileged`): every
+    object as the API server keeps it, and each engine pod, with its `lmcache-server` container,
+    admitted in a namespace at the defaults' Pod Security level, `restricted`."""
     ns = "lmcache-mp"
-    cluster.apply([fleet.namespace(ns, POD_SECURITY["dev"])])
-    docs = helm.render(helm.helm_binaries()[0], cases.LAYERINGS["scenario:lmcache-mp+dev"], namespace=ns)
+    cluster.apply([fleet.namespace(ns, POD_SECURITY["defaults"])])
+    sets = ("kvTransfer.nixl.lmcacheMp.enabled=true", "model.attention=full")
+    docs = helm.render(helm.helm_binaries()[0], sets=sets, namespace=ns)
     _served(cluster, docs)
     for doc in docs:
         if doc["kind"] != "StatefulSet":

@@ -159,8 +159,9 @@ class Engine:
     env: dict[str, str]  # literal env values (valueFrom entries left out)
     tp: int
     lmcache_yaml: str | None
-    # the pod's LMCache MP server (kvTransfer.nixl.lmcacheMp): its container's command + args
+    # the pod's LMCache MP server (kvTransfer.nixl.lmcacheMp): its container's command + args, env
     lmcache_server: list[str] | None = None
+    lmcache_server_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -215,6 +216,12 @@ def engines(render: str) -> tuple[Engine, ...]:
                             if s["name"] == "lmcache-server"
                         ),
                         None,
+                    ),
+                    lmcache_server_env=tuple(
+                        (v["name"], v["value"])
+                        for s in pod["spec"]["containers"]
+                        if s["name"] == "lmcache-server"
+                        for v in s.get("env", [])
                     ),
                 )
             )

@@ -33,7 +33,8 @@ The changes, and why (one list; everything else is the chart's):
   the kubelet would put in ``OTEL_RESOURCE_ATTRIBUTES`` (``$(POD_NAME)``);
 - with LMCache's MP mode (kvTransfer.nixl.lmcacheMp), the pod's ``lmcache-server`` container as
   a process of its own (:class:`LMCacheServer`): the engine stack's Python, its ports free ones
-  on loopback (HTTP too), ``--l1-size-gb`` the KV cache's ``KV_CACHE_GIB``; the engine's
+  (on loopback, as rendered), ``--l1-size-gb`` the KV cache's ``KV_CACHE_GIB``, its env as
+  rendered; the engine's
   LMCacheMPConnector pointed at it. vLLM 0.31's CPU platform cannot start a worker once LMCache's
   MP connector is loaded without harness/engine_site's llvmlite fix (its docstring).
 """
@@ -238,6 +239,14 @@ class Engine:
     def start(self) -> Engine:
         if self.server is not None:  # first, as the pod's containers start (vLLM's connector waits for it)
             self.server.start()
+        try:
+            return self._start()
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            raise
+
+    def _start(self) -> Engine:
         lf = open(self.log, "ab")  # noqa: SIM115 - the child owns it
         self.popen = subprocess.Popen(
             self.argv,
@@ -279,7 +288,15 @@ class Engine:
             os.killpg(self.popen.pid, sig)
 
     def stop(self) -> None:
-        """SIGTERM (vLLM drains and exits), then the whole session is killed."""
+        """SIGTERM (vLLM drains and exits), then the whole session is killed; then its LMCache
+        server, if it has one."""
+        try:
+            self._stop()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+
+    def _stop(self) -> None:
         if self.popen is None:
             return
         if self.popen.poll() is None:
@@ -290,8 +307,6 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
         self.popen = None
-        if self.server is not None:
-            self.server.stop()
 
     def restart(self) -> Engine:
         self.stop()
@@ -304,6 +319,7 @@ class LMCacheServer:
     engine's core."""
 
     argv: list[str]
+    env: dict[str, str]  # the container's, as rendered
     http_port: int
     core: int
     log: Path
@@ -311,13 +327,13 @@ class LMCacheServer:
 
     def start(self) -> None:
         lf = open(self.log, "ab")  # noqa: SIM115 - the child owns it
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON", "LMCACHE_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON", "LMCACHE_", "NUMBA_"))}
         self.popen = subprocess.Popen(
             self.argv,
             stdout=lf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**env, "OMP_NUM_THREADS": "1"},
+            env={**env, **self.env, "OMP_NUM_THREADS": "1"},
             start_new_session=True,
             preexec_fn=lambda: os.sched_setaffinity(0, {self.core}),  # noqa: PLW1509
         )
@@ -328,13 +344,27 @@ class LMCacheServer:
         chart's startup probe asks."""
         assert self.popen is not None
         if self.popen.poll() is not None:
-            tail = self.log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"LMCache server exited with {self.popen.returncode}:\n{tail}")
+            raise RuntimeError(f"LMCache server exited with {self.popen.returncode}:\n{self.tail()}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/", timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def peak_rss_bytes(self) -> int:
+        """The server process's peak resident memory (``VmHWM``), what its container's memory
+        limit must hold beside its L1."""
+        assert self.popen is not None
+        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=10) as r:
@@ -365,14 +395,13 @@ def lmcache_server(e: rendered.Engine, core: int, workdir: Path, role: str) -> t
         key = a.split("=", 1)[0]
         a = {
             "--port": f"--port={port}",
-            "--http-host": "--http-host=127.0.0.1",
             "--http-port": f"--http-port={http}",
             "--l1-size-gb": f"--l1-size-gb={KV_CACHE_GIB}",
         }.get(key, a)
         args.append(a)
     argv = [str(stack.python()), *cmd[i : i + 2], *args]
     log = workdir / f"{role}-lmcache-server-{port}-{time.monotonic_ns()}.log"
-    return LMCacheServer(argv, http, core, log), port
+    return LMCacheServer(argv, dict(e.lmcache_server_env), http, core, log), port
 
 
 def wait_ready(engines: Iterable[Engine], timeout: float = START_SECONDS) -> None:
@@ -382,7 +411,10 @@ def wait_ready(engines: Iterable[Engine], timeout: float = START_SECONDS) -> Non
     while pending:
         pending = [e for e in pending if not e.ready()]
         if pending and time.monotonic() > deadline:
-            tails = "\n".join(f"--- {e.role}\n{e.log_tail()}" for e in pending)
+            tails = "\n".join(
+                f"--- {e.role}\n{e.log_tail()}" + (f"\n--- its LMCache server\n{e.server.tail()}" if e.server else "")
+                for e in pending
+            )
             raise RuntimeError(f"engines not ready in {timeout:.0f} s:\n{tails}")
         if pending:
             time.sleep(0.5)  # polling a process start-up, not synchronising a test

@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sim-only", action="store_true", help="the simulated engines only")
     a = p.parse_args(argv)
+    if a.no_extras and a.cells != sweep.CELLS:
+        p.error("--no-extras and --cells: give one (--no-extras is --cells grid)")
     cells = ("grid",) if a.no_extras else a.cells
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

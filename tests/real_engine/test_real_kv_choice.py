@@ -4,14 +4,17 @@ decoders, a conversation's next turn goes to the one that holds the conversation
 
 The dense pair (prefiller P on core 0, decoder D on core 1) and a third engine of the same
 release (the same KV revision), first a second prefiller X, then a second decoder Y, both on the
-decoder's core 1. Not Y on the prefiller's core: pinned there, Y's first pull from P never
-completed (vLLM's request stayed deferred until the router's timeout, in both of two runs on
-2026-12-07); on core 1 it passes. Which engine holds what is set up through routers that see one engine of the
-role only (a prompt prefilled on X alone, another on P alone; a conversation's first turn
+decoder's core 1. (In the first two runs, on 2026-12-07, Y was on the prefiller's core while X,
+by a fixture bug since mended, still ran: four engines; Y's first pull never completed, vLLM's
+request deferred until the router's timeout. Not isolated further: on core 1, X stopped first,
+it passes.) Which engine holds what is set up through routers that see one engine of the role
+only (a prompt prefilled on X alone, another on P alone; a conversation's first turn
 decoded on Y alone, another's on D alone); then a router that sees both must choose the holder.
-Each role is checked both ways round, so no fixed order of the pool (the first engine, the
-least loaded one of two idle engines) passes. Before each decision the router has applied every
-batch the engines published (tests/real_engine/events.py ``settle``; a real client does not
+Each role is checked both ways round (the holder second in the pool, then first), so no fixed
+order passes, and ``EACH`` times each way: between idle engines of equal load the router's
+balancing (pd_router.balancing: the less loaded of two random picks) chooses at random, so a
+router that ignored the events would pass one run in 2 ** (2 x EACH), 1 in 64. Before each
+decision the router has applied every batch the engines published (tests/real_engine/events.py ``settle``; a real client does not
 wait for that: test_real_kv_events.py's docstring).
 
 What the engines did is read from vLLM's own counters
@@ -21,7 +24,6 @@ tokens grew; the holder reused, from its prefix cache, the blocks the router cla
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from tests.real_engine.routers import Routers
 BLOCK = 128  # the CPU build's KV block (test_real_kv_events.py)
 SUFFIX_WORDS = 400  # about 800 new tokens: past the dev threshold (512) on their own
 TURN_WORDS = 60  # a later turn's new message: served where the conversation is
+EACH = 3  # prompts (conversations) set up on each holder
 
 
 @dataclass
@@ -81,9 +84,10 @@ def dense(pairs: Pairs) -> dict[str, engines.Engine]:
 @pytest.fixture(scope="module")
 def prefill_choice(
     dense: dict[str, engines.Engine], routers: Routers, workdir: Path, model_name: str
-) -> Iterator[dict[str, Seen]]:
-    """Prompts A (prefilled on X alone) and B (on P alone), then A and B, each followed by new
-    text, through the router that sees both prefillers."""
+) -> dict[str, Seen]:
+    """Prompts A1.. (prefilled on X alone) and B1.. (on P alone), then each followed by new text,
+    through the router that sees both prefillers. X and the routers stop before it returns: the
+    decoder check's engine replaces X (three engines at most: each takes about 3.8 GB)."""
     p, d = dense["prefill"], dense["decode"]
     x = engines.engine("prefill", "dense", 1, workdir)
     started: list[Proc] = []
@@ -95,12 +99,14 @@ def prefill_choice(
         both = routers.start([p.url, x.url], [d.url])
         started += [only_x, only_p, both]
         seen: dict[str, Seen] = {}
-        for name, seeder, sees in (("A", only_x, "XD"), ("B", only_p, "PD")):
-            prompt = f"[{name}] " + text(f"kv-choice-prefill-{name}", LONG_WORDS)
-            seen[f"seed {name}"] = rig.ask(seeder, prompt, sees)
-            longer = prompt + " " + text(f"kv-choice-prefill-{name}-more", SUFFIX_WORDS)
-            seen[f"{name} and more"] = rig.ask(both, longer, "PXD")
-        yield seen
+        for i in range(EACH):
+            for holder, seeder, sees in (("A", only_x, "XD"), ("B", only_p, "PD")):
+                name = f"{holder}{i + 1}"
+                prompt = f"[{name}] " + text(f"kv-choice-prefill-{name}", LONG_WORDS)
+                seen[f"seed {name}"] = rig.ask(seeder, prompt, sees)
+                longer = prompt + " " + text(f"kv-choice-prefill-{name}-more", SUFFIX_WORDS)
+                seen[f"{name} and more"] = rig.ask(both, longer, "PXD")
+        return seen
     finally:
         for r in started:
             r.stop()
@@ -110,10 +116,10 @@ def prefill_choice(
 @pytest.fixture(scope="module")
 def decode_choice(
     dense: dict[str, engines.Engine], prefill_choice: dict[str, Seen], routers: Routers, workdir: Path, model_name: str
-) -> Iterator[dict[str, Seen]]:
-    """Conversations C1 (first turn decoded on Y alone) and C2 (on D alone), then each one's
-    second turn through the router that sees both decoders. After the prefill check, whose
-    third engine it replaces (three engines at most: each takes about 3 GB)."""
+) -> dict[str, Seen]:
+    """Conversations C1.. (first turn decoded on Y alone) and E1.. (on D alone), then each one's
+    second turn through the router that sees both decoders. After the prefill check (its engine
+    stopped: ``prefill_choice``)."""
     p, d = dense["prefill"], dense["decode"]
     y = engines.engine("decode", "dense", 1, workdir)
     started: list[Proc] = []
@@ -125,15 +131,17 @@ def decode_choice(
         both = routers.start([p.url], [d.url, y.url])
         started += [only_y, only_d, both]
         seen: dict[str, Seen] = {}
-        for name, seeder, sees in (("C1", only_y, "PY"), ("C2", only_d, "PD")):
-            msgs = [{"role": "user", "content": f"[{name}] " + text(f"kv-choice-decode-{name}", LONG_WORDS)}]
-            first = seen[f"{name} turn 1"] = rig.ask(seeder, msgs, sees)
-            msgs += [
-                {"role": "assistant", "content": first.answer.text},
-                {"role": "user", "content": text(f"kv-choice-decode-{name}-turn-2", TURN_WORDS)},
-            ]
-            seen[f"{name} turn 2"] = rig.ask(both, msgs, "PDY")
-        yield seen
+        for i in range(EACH):
+            for holder, seeder, sees in (("C", only_y, "PY"), ("E", only_d, "PD")):
+                name = f"{holder}{i + 1}"
+                msgs = [{"role": "user", "content": f"[{name}] " + text(f"kv-choice-decode-{name}", LONG_WORDS)}]
+                first = seen[f"{name} turn 1"] = rig.ask(seeder, msgs, sees)
+                msgs += [
+                    {"role": "assistant", "content": first.answer.text},
+                    {"role": "user", "content": text(f"kv-choice-decode-{name}-turn-2", TURN_WORDS)},
+                ]
+                seen[f"{name} turn 2"] = rig.ask(both, msgs, "PDY")
+        return seen
     finally:
         for r in started:
             r.stop()
@@ -155,11 +163,14 @@ def test_kv_choice_of_two_prefillers_is_the_one_holding_the_prefix(prefill_choic
     s = prefill_choice
     print("\n" + summary(s))
     # the seeds: each disaggregated on its own router's one prefiller
-    for name, holder in (("A", "X"), ("B", "P")):
+    ways = [
+        (f"{h}{i + 1}", holder, other) for i in range(EACH) for h, holder, other in (("A", "X", "P"), ("B", "P", "X"))
+    ]
+    for name, holder, _ in ways:
         seed = s[f"seed {name}"]
         assert seed.answer.route == "disaggregated", (name, seed)
         assert seed.computed[holder] > 0 and seed.worked() == sorted([holder, "D"]), (name, seed)
-    for name, holder, other in (("A", "X", "P"), ("B", "P", "X")):
+    for name, holder, other in ways:
         got = s[f"{name} and more"]
         held = int(s[f"seed {name}"].computed[holder]) // BLOCK * BLOCK
         # past the threshold on the decoder too (it holds the prompt from the seed's hand-off)
@@ -173,7 +184,9 @@ def test_kv_choice_of_two_prefillers_is_the_one_holding_the_prefix(prefill_choic
 def test_kv_choice_of_two_decoders_keeps_a_conversation_where_it_is(decode_choice: dict[str, Seen]) -> None:
     s = decode_choice
     print("\n" + summary(s))
-    for name, holder, other in (("C1", "Y", "D"), ("C2", "D", "Y")):
+    for name, holder, other in [
+        (f"{h}{i + 1}", holder, other) for i in range(EACH) for h, holder, other in (("C", "Y", "D"), ("E", "D", "Y"))
+    ]:
         first, second = s[f"{name} turn 1"], s[f"{name} turn 2"]
         assert first.answer.route == "disaggregated" and first.reused[holder] == 0, (name, first)
         assert first.worked() == sorted(["P", holder]), (name, first)

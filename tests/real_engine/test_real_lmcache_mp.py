@@ -84,6 +84,11 @@ def test_lmcache_mp_handoffs_over_nixl_equal_colocated_and_the_prefiller_stores_
         chunks += (base.prompt_tokens or 0) // CHUNK
     stored = objects(pre) - stored0
     print(f"prefiller's LMCache server: {stored} chunks stored for {chunks} full chunks prompted")
+    for role, e in mp.items():  # what kvTransfer.nixl.lmcacheMp.overheadGiB must hold beside the L1
+        assert e.server is not None
+        print(
+            f"{role}'s LMCache server: peak RSS {e.server.peak_rss_bytes() / 2**30:.2f} GiB (L1 {engines.KV_CACHE_GIB} GiB)"
+        )
     assert stored == chunks > 0
 
 

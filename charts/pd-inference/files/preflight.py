@@ -260,10 +260,10 @@ def check_lmcache_mp(log: str) -> str:
     try:
         with native_output_to(log):
             importlib.import_module("lmcache.integration.vllm.lmcache_mp_connector")
-    except ImportError as exc:
+    except Exception as exc:  # ImportError, or what a module raises as it loads (numba's cache, CUDA)
         raise Failed(
             f"kvTransfer.nixl.lmcacheMp.enabled needs LMCache's MP connector, but the engine image cannot import it "
-            f"({exc}); use an LMCache engine image (engine.image), or turn it off"
+            f"({type(exc).__name__}: {exc}); use an LMCache engine image (engine.image), or turn it off"
         ) from None
     return version_of("lmcache") or "unknown"
 

@@ -160,11 +160,11 @@ container, on 127.0.0.1, both engine-driven (engine/_pod.tpl lmcacheServer says 
 (vLLM 0.31.0 / 0.33.0, nixl/base_scheduler.py); the router reaches only the API, so only the range's rule. */ -}}
 {{- $p = append $p (dict "name" "nixl-side-dp" "port" (add $v.ports.nixlSideChannel 1) "endPort" (add $v.ports.nixlSideChannel (sub $dp 1)) "field" "ports.nixlSideChannel" "container" "" "service" false "from" (list .other) "doc" (printf "The side channels of data-parallel ranks 1 and up (ports.nixlSideChannel + rank), from %s." .otherDoc)) -}}
 {{- end -}}
-{{- if include "pd-inference.lmcacheMp" .ctx -}}
-{{- /* The pod's LMCache MP server (kvTransfer.nixl.lmcacheMp): its requests on 127.0.0.1, its
-HTTP API for the kubelet's probes; nobody else may connect. */ -}}
+{{- if .lmcacheMp -}}
+{{- /* The pod's LMCache MP server (kvTransfer.nixl.lmcacheMp): its requests and its HTTP API
+(the probes), both on 127.0.0.1; nobody else may connect. */ -}}
 {{- $p = append $p (dict "name" "lmcache-mp" "port" (int $v.ports.lmcacheMpServer) "field" "ports.lmcacheMpServer" "container" "" "service" false "from" list "doc" "") -}}
-{{- $p = append $p (dict "name" "lmcache-http" "port" (int $v.ports.lmcacheMpHttp) "field" "ports.lmcacheMpHttp" "container" "lmcache-server" "service" false "from" list "doc" "") -}}
+{{- $p = append $p (dict "name" "lmcache-http" "port" (int $v.ports.lmcacheMpHttp) "field" "ports.lmcacheMpHttp" "container" "" "service" false "from" list "doc" "") -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $p -}}

@@ -152,12 +152,12 @@ model.attention for a name this list does not know.
 {{- if regexMatch (printf "(?i)(%s)" (join "|" $families)) (base .Values.model.name) -}}true{{- end -}}
 {{- end -}}
 
-{{/* "true" when the model is hybrid: declared by model.attention, else known by its name. */}}
 {{/* "true" when the engine pods run LMCache's MP server beside the NIXL hand-off (kvTransfer.nixl.lmcacheMp; validate/_handoff.tpl refuses it on another connector). */}}
 {{- define "pd-inference.lmcacheMp" -}}
 {{- if and .Values.kvTransfer.nixl.lmcacheMp.enabled (eq .Values.kvTransfer.connector "nixl") -}}true{{- end -}}
 {{- end -}}
 
+{{/* "true" when the model is hybrid: declared by model.attention, else known by its name. */}}
 {{- define "pd-inference.hybridModel" -}}
 {{- if eq .Values.model.attention "hybrid" -}}true
 {{- else if and (eq .Values.model.attention "") (eq (include "pd-inference.hybridFamily" .) "true") -}}true

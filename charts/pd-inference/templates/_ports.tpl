@@ -17,7 +17,8 @@ Call with (dict "ctx" $ "component" "decode"); returns a JSON list of
                peers share one rule. serviceDoc: a comment on its Service port
 Optional keys give the ports of another mode: "connector" (a name of templates/_connectors.tpl),
 "receiver" (the LMCache notification receiver, router | prefillSidecar), "metricsProxy" (true |
-false) and "kvEvents" (true | false, engine.kvEvents.enabled). The router config names the ports
+false), "kvEvents" (true | false, engine.kvEvents.enabled) and "lmcacheMp" (true | false, the
+LMCache MP server of kvTransfer.nixl.lmcacheMp). The router config names the ports
 of every mode, and _validate.tpl checks every connector, with the metrics proxy and the KV events on.
 A connector's own ports come from its piece pd-inference.connectors.<name>.ports, after the
 component's API, metrics and KV-event ports.
@@ -26,7 +27,8 @@ component's API, metrics and KV-event ports.
 {{- $v := .ctx.Values -}}
 {{- $c := .component -}}
 {{- $connector := .connector | default $v.kvTransfer.connector -}}
-{{- $own := dict "ctx" .ctx "component" $c "receiver" (.receiver | default "") -}}
+{{- $lmcacheMp := ternary .lmcacheMp (not (empty (include "pd-inference.lmcacheMp" .ctx))) (hasKey . "lmcacheMp") -}}
+{{- $own := dict "ctx" .ctx "component" $c "receiver" (.receiver | default "") "lmcacheMp" $lmcacheMp -}}
 {{- $proxy := ternary .metricsProxy $v.engine.metricsProxy.enabled (hasKey . "metricsProxy") -}}
 {{- $kvEvents := ternary .kvEvents $v.engine.kvEvents.enabled (hasKey . "kvEvents") -}}
 {{- $metricsFrom := $v.networkPolicy.metricsFrom -}}

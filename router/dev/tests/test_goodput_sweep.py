@@ -45,3 +45,15 @@ def test_one_cell_runs_every_configuration_and_reports(tmp_path: Path) -> None:
     assert "| cell |" in md and "goodput decision" in md
     report.heatmap([result], tmp_path / "goodput.png")
     assert (tmp_path / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_heatmap_of_a_run_without_the_grid(tmp_path: Path) -> None:
+    """``--cells chat``: no rate fractions, one column (it raised IndexError with none)."""
+    cell = {
+        "workload": "multi-turn chat",
+        "rate": 3.0,
+        "fraction": "",
+        "goodput": {"colocated": 2.0, "split": 2.2, "goodput": 2.1},
+    }
+    report.heatmap([{"backend": "test", "cells": [cell]}], tmp_path / "chat.png")
+    assert (tmp_path / "chat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

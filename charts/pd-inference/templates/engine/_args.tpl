@@ -105,11 +105,7 @@ Call with (dict "ctx" $ "role" "prefill").
   value: "0"
 - name: HF_HOME
   value: {{ printf "%s/hf" $v.modelCache.mountPath | quote }}
-# The root filesystem is read-only: caches (torch.compile, Triton, vLLM) go to /tmp.
-- name: HOME
-  value: /tmp/home
-- name: XDG_CACHE_HOME
-  value: /tmp/cache
+{{ include "pd-inference.engine.cacheEnv" . }}
 - name: VLLM_CACHE_ROOT
   value: /tmp/cache/vllm
 {{- if $v.model.hfTokenSecret.name }}
@@ -199,4 +195,14 @@ snapshots/<commit>), which the engine preflight downloads before vLLM starts. */
 {{- $names := list -}}
 {{- range .Values.model.lora.adapters -}}{{- $names = append $names .name -}}{{- end -}}
 {{- $names | toJson -}}
+{{- end -}}
+
+{{/* Where an engine image's programs keep their caches: the root filesystem is read-only (torch.compile, Triton, vLLM, numba's compiled functions: LMCache 0.5.6 imports numba functions cached to disk), so /tmp. The vllm and lmcache-server containers alike. */}}
+{{- define "pd-inference.engine.cacheEnv" -}}
+- name: HOME
+  value: /tmp/home
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+- name: NUMBA_CACHE_DIR
+  value: /tmp/cache/numba
 {{- end -}}

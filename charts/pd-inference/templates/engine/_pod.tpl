@@ -234,8 +234,12 @@ The LMCache MP server of an engine pod (kvTransfer.nixl.lmcacheMp): `lmcache ser
 engine image's LMCache (LMCache 0.5.6: lmcache/cli/commands/server.py runs
 lmcache.v1.multiprocess.http_server, started here as that module with the image's Python, so no
 console script on PATH is assumed). Its requests on 127.0.0.1 (only this pod's vLLM), its HTTP
-API on the pod IP for the kubelet's probes: `/` answers once it serves (`/healthcheck` waits for
-an engine to attach, which would hold a startup probe). `--disable-metrics`: its Prometheus
+API on 127.0.0.1 too: it can clear the cache and attach storage, unauthenticated, so nothing
+outside the pod may reach it, NetworkPolicy or not; the kubelet's probes ask it from inside (an
+exec of the image's Python): `/` answers once it serves (`/healthcheck` waits for an engine to
+attach, which would hold a startup probe). No GPU visible (NVIDIA_VISIBLE_DEVICES void): CUDA
+images set it to all, and where nvidia is the node's default runtime a container that asks for
+no GPU would still see every one, and LMCache would open a CUDA context beside vLLM's. `--disable-metrics`: its Prometheus
 port is not in the chart's port model; vLLM's own metrics count what the connector loads
 (`vllm:prompt_tokens_by_source_total`). The KV it keeps is CPU memory of this container, its
 request and limit `l1SizeGiB` + `overheadGiB`. Transfers engine-driven (LMCache 0.5.6
@@ -262,19 +266,23 @@ vLLM drains with its connector attached. (dict "ctx" $ "role" "prefill").
     - lmcache.v1.multiprocess.http_server
   args:
     {{- include "pd-inference.engine.lmcacheServerArgs" . | nindent 4 }}
-  ports:
-    {{- include "pd-inference.containerPorts" (dict "ctx" .ctx "component" .role "container" "lmcache-server") | nindent 4 }}
+  env:
+    {{- include "pd-inference.engine.cacheEnv" . | nindent 4 }}
+    - name: NVIDIA_VISIBLE_DEVICES
+      value: void
+    - name: CUDA_VISIBLE_DEVICES
+      value: ""
   startupProbe:
-    httpGet:
-      path: /
-      port: lmcache-http
+    exec:
+      command: {{ include "pd-inference.engine.lmcacheProbe" . }}
     periodSeconds: 5
+    timeoutSeconds: 10
     failureThreshold: 60
   livenessProbe:
-    httpGet:
-      path: /
-      port: lmcache-http
+    exec:
+      command: {{ include "pd-inference.engine.lmcacheProbe" . }}
     periodSeconds: 15
+    timeoutSeconds: 10
     failureThreshold: 4
   lifecycle:
     {{- include "pd-inference.preStopWait" (dict "python" $v.engine.preflight.python "seconds" $stop "untilClosed" (include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "http")) "atMost" (add ($stop | int) (int $r.drainSeconds))) | nindent 4 }}
@@ -295,13 +303,19 @@ vLLM drains with its connector attached. (dict "ctx" $ "role" "prefill").
       mountPath: /tmp
 {{- end -}}
 
+{{/* The LMCache MP server's probe: its `/` on 127.0.0.1, with the image's Python, as a JSON list. (dict "ctx" $ "role" "prefill"). */}}
+{{- define "pd-inference.engine.lmcacheProbe" -}}
+{{- $port := include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "lmcache-http") -}}
+{{- list .ctx.Values.engine.preflight.python "-c" (printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/', timeout=8)" $port) | toJson -}}
+{{- end -}}
+
 {{/* The LMCache MP server's arguments (LMCache 0.5.6 `lmcache server --help`; tests/engines/ parses them with that package's own parser). (dict "ctx" $ "role" "prefill"). */}}
 {{- define "pd-inference.engine.lmcacheServerArgs" -}}
 {{- $v := .ctx.Values -}}
 {{- $mp := $v.kvTransfer.nixl.lmcacheMp -}}
 - --host=127.0.0.1
 - --port={{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "lmcache-mp") }}
-- --http-host=0.0.0.0
+- --http-host=127.0.0.1
 - --http-port={{ include "pd-inference.port" (dict "ctx" .ctx "component" .role "name" "lmcache-http") }}
 - --l1-size-gb={{ $mp.l1SizeGiB }}
 - --eviction-policy={{ $mp.evictionPolicy }}

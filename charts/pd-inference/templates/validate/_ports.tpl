@@ -1,8 +1,8 @@
 {{/*
 Ports (templates/_ports.tpl): a per-rank port past 65535, or two ports of one pod on the same
 number, in the pods that render (pd-inference.engineRoles and the router). Checked for every
-connector (templates/_connectors.tpl), the release's first, the metrics proxy and the KV-cache
-event ports included, so that switching any of them later cannot collide.
+connector (templates/_connectors.tpl), the release's first, the metrics proxy, the KV-cache
+event ports and LMCache's MP server included, so that switching any of them later cannot collide.
 */}}
 {{- define "pd-inference.validate.ports" -}}
 {{- $v := .Values -}}
@@ -16,7 +16,7 @@ event ports included, so that switching any of them later cannot collide.
 {{- range $connector := $connectors -}}
 {{- $mode := ternary "" (printf " with kvTransfer.connector %s" $connector) (eq $connector $current) -}}
 {{- range $component := append (include "pd-inference.engineRoles" $ | fromJsonArray) "router" -}}
-{{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true "kvEvents" true) | fromJsonArray -}}
+{{- $ports := include "pd-inference.ports" (dict "ctx" $ "component" $component "connector" $connector "metricsProxy" true "kvEvents" true "lmcacheMp" true) | fromJsonArray -}}
 {{- $last := dict -}}
 {{- range $p := $ports -}}
 {{- if hasKey $p "rank" -}}

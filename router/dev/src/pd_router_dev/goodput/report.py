@@ -149,7 +149,8 @@ def heatmap(results: list[dict[str, Any]], path: Path) -> None:
         grid = [c for c in cells if c["fraction"]]
         extras = [c for c in cells if not c["fraction"]]
         mixes = list(dict.fromkeys(c["workload"] for c in grid))
-        fracs = list(dict.fromkeys(c["fraction"] for c in grid))
+        # one column at least: a run of the extras alone (--cells chat) has no rate fractions
+        fracs = list(dict.fromkeys(c["fraction"] for c in grid)) or [""]
         # rows: mixes then each extra workload (one column used); columns: rate fractions
         labels = mixes + [c["workload"] for c in extras]
 

@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results", help="folder for goodput-*.json and .md")
     p.add_argument("--picture", default="", help="write the heatmap here too (PNG)")
     a = p.parse_args(argv)
+    if a.no_extras and a.cells != sweep.CELLS:
+        p.error("--no-extras and --cells: give one (--no-extras is --cells grid)")
     if a.engines < 2:
         p.error("--engines: at least 2 (a split needs a prefiller and a decoder)")
     f = a.slow_down
