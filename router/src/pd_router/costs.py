@@ -73,6 +73,11 @@ FORGET = 1.0 - 1.0 / MEMORY
 # Spread of a predicted step time (standard deviation of log(observed / predicted)): how sure a
 # step that carries a chunk is to be past the ITL bound.
 STEP_SPREAD = 0.2
+# The shortest step a prediction takes, seconds: no engine decodes faster. The fits hold a
+# coefficient that samples take below zero at 0, so a step could come out 0 (its intercept and
+# per-stream cost both held), and the decision takes the log of steps: a flexible pool on the CPU
+# engines answered a request 500 so (ValueError in Planner.crowding, 2026-12-07).
+STEP_MIN = 1e-4
 MAX_CHUNKS = 64  # chunks of a prompt weighed one by one (the rest at the last one's rate)
 # Gaps an engine's observed share of slow gaps is held towards the prefills' prediction by,
 # until that many were seen over the window.
@@ -340,7 +345,7 @@ class StepFit(Ridge):
         self.s0, self.s1, self.crowding = self.beta
 
     def __call__(self, n: float, b: float = 0.0) -> float:
-        return (self.s0 + self.s1 * n) * (1.0 + self.crowding * b)
+        return max(STEP_MIN, (self.s0 + self.s1 * n) * (1.0 + self.crowding * b))
 
     def _scale(self, i: int) -> float:
         # the crowding's feature is a step (at b = 1): its prior weighs a sample of one
@@ -701,7 +706,7 @@ class EngineCosts:
         dozen times)."""
         m, st = self.model, self.step
         busy = (m.busy - (1 if self.jobs else 0)) * m.others_scale
-        return (st.s0 + st.s1 * streams) * (1.0 + st.crowding * busy)
+        return max(STEP_MIN, (st.s0 + st.s1 * streams) * (1.0 + st.crowding * busy))
 
     step_now = step_seconds
 
@@ -729,7 +734,9 @@ class EngineCosts:
         step and that chunk's compute (the stall seen per token, with attention's growth over
         the tokens before it from the prefill fit)."""
         p = self.prefill
-        return self.step_now(self.decoding) + self.stall_per_token() * c + p.q * 2 * done * c
+        return max(
+            STEP_MIN, self.step_now(self.decoding) + self.stall_per_token() * c + p.q * 2 * done * c
+        )
 
     def _stall(self, tokens: int, gap: float) -> None:
         """A gap that ended with the step that prefilled ``tokens`` (its last chunk)."""

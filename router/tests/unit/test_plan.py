@@ -951,3 +951,34 @@ def test_with_pairs_out_every_engine_is_weighed_not_only_the_best_few() -> None:
     # negative control: with no pair out the first of the alike prefillers is taken
     c2 = Planner(model).choose(2000, NONE, [d], pre, 50, model.clock())
     assert c2 is not None and c2.option.prefiller is pre[0]
+
+
+def test_a_step_fit_held_at_zero_still_gives_a_decision() -> None:
+    """The fits hold a coefficient samples take below zero at 0: a step fit whose intercept and
+    per-stream cost are both held predicts a step of 0, and the decision takes the log of steps
+    (Planner.crowding, EngineCosts.slow_steps). It answered a request 500 so on the real
+    engines (ValueError: math domain error, which this test raised before the floor); now a step
+    is at least ``STEP_MIN``."""
+
+    def choose(zeroed: bool) -> tuple[str, str]:
+        model, planner, clock = setup()
+        a, b = engines("a", "b")
+        decoding(model, a, 3, out=40, fast_seen=10)
+        decoding(model, b, 2, out=40, fast_seen=10)
+        for e in (a, b):
+            c = costs(model, e)
+            c.step.crowding = CROWD_CONSOLIDATE
+            if zeroed:
+                c.step.s0 = c.step.s1 = 0.0
+        model.crowded = model.consolidate = True
+        choice = planner.choose(1500, NONE, [a, b], [a, b], 40, clock())
+        assert choice is not None
+        return choice.option.decoder.base, choice.reason
+
+    assert choose(zeroed=True)[1]  # no ValueError: math domain error
+    from pd_router.costs import STEP_MIN
+
+    c = costs(setup()[0], engines("c")[0])
+    c.step.s0 = c.step.s1 = 0.0
+    assert c.step(4, 1.0) == c.step_seconds(4) == STEP_MIN
+    assert c.chunk_seconds(0.0, 0) >= STEP_MIN
