@@ -24,6 +24,8 @@ tokens grew; the holder reused, from its prefix cache, the blocks the router cla
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,23 +83,43 @@ def dense(pairs: Pairs) -> dict[str, engines.Engine]:
     return pd
 
 
+@contextlib.contextmanager
+def doubled(
+    role: str, dense: dict[str, engines.Engine], routers: Routers, workdir: Path
+) -> Iterator[tuple[engines.Engine, Proc, Proc, Proc]]:
+    """A second engine of ``role`` on the decoder's core (three engines at most: each takes
+    about 3.8 GB), with three routers: one that sees the new engine alone in that role, one
+    that sees the pair's alone, one that sees both; all stopped on the way out."""
+    third = engines.engine(role, "dense", 1, workdir)
+    pools = {r: [e.url] for r, e in dense.items()}
+
+    def with_(urls: list[str]) -> Proc:
+        each = {**pools, role: urls}
+        return routers.start(each["prefill"], each["decode"])
+
+    started: list[Proc] = []
+    try:
+        third.start()
+        engines.wait_ready([third])
+        for urls in ([third.url], pools[role], [*pools[role], third.url]):
+            started.append(with_(urls))
+        yield third, started[0], started[1], started[2]
+    finally:
+        for r in started:
+            r.stop()
+        third.stop()
+
+
 @pytest.fixture(scope="module")
 def prefill_choice(
     dense: dict[str, engines.Engine], routers: Routers, workdir: Path, model_name: str
 ) -> dict[str, Seen]:
     """Prompts A1.. (prefilled on X alone) and B1.. (on P alone), then each followed by new text,
     through the router that sees both prefillers. X and the routers stop before it returns: the
-    decoder check's engine replaces X (three engines at most: each takes about 3.8 GB)."""
+    decoder check's engine replaces X."""
     p, d = dense["prefill"], dense["decode"]
-    x = engines.engine("prefill", "dense", 1, workdir)
-    started: list[Proc] = []
-    try:
-        x.start()
-        engines.wait_ready([x])
+    with doubled("prefill", dense, routers, workdir) as (x, only_x, only_p, both):
         rig = Rig(model_name, {"P": p, "X": x, "D": d})
-        only_x, only_p = routers.start([x.url], [d.url]), routers.start([p.url], [d.url])
-        both = routers.start([p.url, x.url], [d.url])
-        started += [only_x, only_p, both]
         seen: dict[str, Seen] = {}
         for i in range(EACH):
             for holder, seeder, sees in (("A", only_x, "XD"), ("B", only_p, "PD")):
@@ -106,11 +128,7 @@ def prefill_choice(
                 seen[f"seed {name}"] = rig.ask(seeder, prompt, sees)
                 longer = prompt + " " + text(f"kv-choice-prefill-{name}-more", SUFFIX_WORDS)
                 seen[f"{name} and more"] = rig.ask(both, longer, "PXD")
-        return seen
-    finally:
-        for r in started:
-            r.stop()
-        x.stop()
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +139,8 @@ def decode_choice(
     second turn through the router that sees both decoders. After the prefill check (its engine
     stopped: ``prefill_choice``)."""
     p, d = dense["prefill"], dense["decode"]
-    y = engines.engine("decode", "dense", 1, workdir)
-    started: list[Proc] = []
-    try:
-        y.start()
-        engines.wait_ready([y])
+    with doubled("decode", dense, routers, workdir) as (y, only_y, only_d, both):
         rig = Rig(model_name, {"P": p, "D": d, "Y": y})
-        only_y, only_d = routers.start([p.url], [y.url]), routers.start([p.url], [d.url])
-        both = routers.start([p.url], [d.url, y.url])
-        started += [only_y, only_d, both]
         seen: dict[str, Seen] = {}
         for i in range(EACH):
             for holder, seeder, sees in (("C", only_y, "PY"), ("E", only_d, "PD")):
@@ -141,11 +152,7 @@ def decode_choice(
                     {"role": "user", "content": text(f"kv-choice-decode-{name}-turn-2", TURN_WORDS)},
                 ]
                 seen[f"{name} turn 2"] = rig.ask(both, msgs, "PDY")
-        return seen
-    finally:
-        for r in started:
-            r.stop()
-        y.stop()
+    return seen
 
 
 def summary(seen: dict[str, Seen]) -> str:
