@@ -283,3 +283,26 @@ def answer(base: str, chat: bool, prompt: str, stream: bool, **extra: Any) -> tu
     ]
     usage = next(ch.usage for ch in reversed(chunks) if ch.usage is not None)
     return "".join(parts), usage.completion_tokens, route
+
+
+def greedy_chat(
+    base: str, model: str, stream: bool, api_key: str = "unused"
+) -> tuple[str, str, dict[str, str]]:
+    """(text, the answer's model, headers) of one greedy chat of ``long_text(60)`` through the
+    openai client, streamed or not."""
+    c = openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=60)
+    kw: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": long_text(60)}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    if not stream:
+        raw = c.chat.completions.with_raw_response.create(**kw)
+        r = raw.parse()
+        return r.choices[0].message.content or "", r.model, dict(raw.headers)
+    with c.chat.completions.with_streaming_response.create(stream=True, **kw) as raw:
+        chunks = list(raw.parse())
+        headers = dict(raw.headers)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    return text, chunks[0].model, headers

@@ -114,6 +114,25 @@ def test_shipped_configs_load(path: Path) -> None:
         ("model: {servedName: m, adapters: [m]}", "model.adapters[0]"),
         ("model: {adapters: [a, b, a]}", "model.adapters[2]"),
         ("{model: {adapters: [a]}, routing: {connector: lmcache}}", "model.adapters"),
+        ("remoteModels: {name: b}", "remoteModels"),
+        ("remoteModels: [{name: b, url: 'http://b:8000', port: 1}]", "remoteModels[0].port"),
+        ("remoteModels: [{url: 'http://b:8000'}]", "remoteModels[0].name"),
+        ("remoteModels: [{name: 'b@kv-0123456789', url: 'http://b:8000'}]", "remoteModels[0].name"),
+        ("remoteModels: [{name: b}]", "remoteModels[0].url"),
+        ("remoteModels: [{name: b, url: 'b:8000'}]", "remoteModels[0].url"),
+        ("remoteModels: [{name: b, url: 'http://b:8000/v1'}]", "remoteModels[0].url"),
+        (
+            "{model: {servedName: m}, remoteModels: [{name: m, url: 'http://b:1'}]}",
+            "remoteModels[0].name",
+        ),
+        (
+            "{model: {adapters: [a]}, remoteModels: [{name: a, url: 'http://b:1'}]}",
+            "remoteModels[0].name",
+        ),
+        (
+            "remoteModels: [{name: b, url: 'http://b:1'}, {name: b, url: 'http://c:1'}]",
+            "remoteModels[1].name",
+        ),
     ],
 )
 def test_errors_name_the_field(tmp_path: Path, text: str, field: str) -> None:

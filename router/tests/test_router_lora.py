@@ -11,11 +11,17 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 
 from pd_router_dev.devstack import Proc, Stack
-from router_testlib import MODEL, http_call, long_text, metric_value, wait_until, write_config
+from router_testlib import (
+    MODEL,
+    greedy_chat,
+    http_call,
+    metric_value,
+    wait_until,
+    write_config,
+)
 
 BOTH = "sql-expert"  # served by the prefiller and the decoder
 DECODER_ONLY = "support-bot"  # the prefiller lacks it
@@ -71,47 +77,27 @@ def lr(stack: Stack) -> Iterator[Lora]:
     yield Lora(stack)
 
 
-def _chat(base: str, model: str, stream: bool) -> tuple[str, str, dict[str, str]]:
-    """(text, the answer's model, headers) of one greedy chat through the openai client."""
-    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
-    kw: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": long_text(60)}],
-        "max_tokens": 12,
-        "temperature": 0,
-    }
-    if not stream:
-        raw = c.chat.completions.with_raw_response.create(**kw)
-        r = raw.parse()
-        return r.choices[0].message.content or "", r.model, dict(raw.headers)
-    with c.chat.completions.with_streaming_response.create(stream=True, **kw) as raw:
-        chunks = list(raw.parse())
-        headers = dict(raw.headers)
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    return text, chunks[0].model, headers
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_adapter_both_engines_serve_is_handed_off_and_answers_as_the_adapter(
     lr: Lora, stream: bool
 ) -> None:
-    text, model, h = _chat(lr.router.url(), BOTH, stream)
+    text, model, h = greedy_chat(lr.router.url(), BOTH, stream)
     assert h["x-pd-route"] == "disaggregated", h.get("x-pd-reason")
     assert model == BOTH
-    whole, _, _ = _chat(lr.decode.url(), BOTH, stream)
-    base, _, _ = _chat(lr.decode.url(), MODEL, stream)
+    whole, _, _ = greedy_chat(lr.decode.url(), BOTH, stream)
+    base, _, _ = greedy_chat(lr.decode.url(), MODEL, stream)
     assert text == whole
     assert text != base  # the negative control: an adapter answers otherwise
 
 
 def test_an_adapters_engines_are_those_that_list_it_and_hold_one_version_of_it(lr: Lora) -> None:
     for i in range(6):
-        _, model, h = _chat(lr.router.url(), BOTH, i % 2 == 1)
+        _, model, h = greedy_chat(lr.router.url(), BOTH, i % 2 == 1)
         assert (h["x-pd-route"], model) == ("disaggregated", BOTH), h.get("x-pd-reason")
     # the negative controls of both filters: the engines left out were there to be chosen
     # (base-model requests reach them) and never got the adapter's
     for _ in range(4):
-        _chat(lr.router.url(), MODEL, False)
+        greedy_chat(lr.router.url(), MODEL, False)
     assert BOTH not in lr.models_asked(lr.prefill_v2)  # its version of the adapter differs
     assert not lr.models_asked(lr.decode_bare) & {BOTH, DECODER_ONLY}  # it lists none
     assert MODEL in lr.models_asked(lr.decode_bare) | lr.models_asked(lr.prefill_v2)
@@ -121,10 +107,10 @@ def test_an_adapter_no_prefiller_serves_is_served_whole_by_a_decoder_that_does(l
     before = metric_value(
         lr.router.url(), "pd_router_fallbacks_total", {"reason": "no_adapter_pair"}
     )
-    text, model, h = _chat(lr.router.url(), DECODER_ONLY, False)
+    text, model, h = greedy_chat(lr.router.url(), DECODER_ONLY, False)
     assert (h["x-pd-route"], h["x-pd-reason"]) == ("fallback", "no_adapter_pair")
     assert model == DECODER_ONLY
-    assert text == _chat(lr.decode.url(), DECODER_ONLY, False)[0]
+    assert text == greedy_chat(lr.decode.url(), DECODER_ONLY, False)[0]
     after = metric_value(
         lr.router.url(), "pd_router_fallbacks_total", {"reason": "no_adapter_pair"}
     )
@@ -182,8 +168,8 @@ def test_requests_are_counted_by_the_model_they_named(lr: Lora) -> None:
         return metric_value(url, "pd_router_model_requests_total", {"model": model})
 
     before = {m: count(m) for m in (MODEL, BOTH)}
-    _chat(url, MODEL, False)
-    _chat(url, BOTH, False)
+    greedy_chat(url, MODEL, False)
+    greedy_chat(url, BOTH, False)
     assert count(MODEL) == before[MODEL] + 1
     assert count(BOTH) == before[BOTH] + 1
     # a client's own name is never a label value

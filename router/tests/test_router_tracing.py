@@ -343,3 +343,49 @@ def test_trace_export_counts_and_a_collector_that_is_down(engines: Engines, trac
         "the spans counted as failed",
     )
     assert metric_value(down.url(), "pd_router_requests_total", {"outcome": "ok"}) == 3
+
+
+def test_trace_of_a_remote_model_continues_in_its_own_router(
+    stack: Stack, engines: Engines, collector: Collector
+) -> None:
+    """A request for another release's model (pd_router.remotes): the front's ``remote`` span,
+    the other router's request span its child, in one trace."""
+    other = "tr-other-model"
+    decode = stack.sim("tr-other-decode", "--model", other)
+    theirs_cfg = {
+        "model": {"servedName": other},
+        "pools": {
+            "prefill": {"discovery": "static", "static": [decode.url()]},
+            "decode": {"discovery": "static", "static": [decode.url()]},
+        },
+        "tracing": {"endpoint": collector.grpc, "serviceName": "pd-router-other"},
+    }
+    theirs = stack.router("tr-other", write_config(stack.workdir, "tr-other", theirs_cfg))
+    front = engines.router(
+        "tr-front",
+        {"endpoint": collector.grpc},
+        remoteModels=[{"name": other, "url": theirs.url()}],
+    )
+    header, tid, _ = _tp()
+    c = openai.OpenAI(base_url=front.url() + "/v1", api_key="unused", max_retries=0, timeout=60)
+    c.chat.completions.create(
+        model=other,
+        messages=[{"role": "user", "content": SHORT}],
+        max_tokens=4,
+        extra_headers={"traceparent": header},
+    )
+    spans = collector.trace(
+        tid,
+        lambda sp: {"pd-router", "pd-router-other"} <= {s["service"] for s in sp},
+        "both routers' spans",
+    )
+    ours = _by_name([s for s in spans if s["service"] == "pd-router"])
+    theirs_spans = _by_name([s for s in spans if s["service"] == "pd-router-other"])
+    (root,) = ours["POST /v1/chat/completions"]
+    a = root["attrs"]
+    assert (a["pd.route"], a["http.response.status_code"]) == ("remote", 200)
+    (leg,) = ours["remote"]
+    assert _child_of(leg, root) and leg["attrs"]["pd.engine"] == theirs.url()
+    (their_root,) = theirs_spans["POST /v1/chat/completions"]
+    assert _child_of(their_root, leg)  # the other router continues the front's trace
+    assert "decode" in theirs_spans and "decode" not in ours

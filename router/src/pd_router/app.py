@@ -50,6 +50,7 @@ from pd_router.openai_wire import (
     validate,
 )
 from pd_router.pairs import HandoffPairs
+from pd_router.remotes import REMOTE, Remotes
 from pd_router.request import Ctx, Outcomes
 from pd_router.served import ServedModel
 from pd_router.tokens import TokenCounter, tokenizer_from_json
@@ -103,6 +104,10 @@ class Router:
         # the model names served (pd_router.adapters): the served one, adapters, revisions
         self.names = Names(cfg.model.served_name, cfg.model.adapters)
         m.models(self.names.labels)
+        # other base models, each its own release's (pd_router.remotes)
+        self.remotes = Remotes(cfg.remote_models, self.up, cfg.health, cfg.timeouts, self.legs)
+        self.remotes.keys = self.keys
+        m.models(self.remotes.names, (REMOTE,))
         # The hand-off is chosen once, here (routing.connector), with all it needs.
         self.direct = DirectRoute(self.legs)
         self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
@@ -164,6 +169,8 @@ class Router:
             self._bg.append(loop.create_task(self._gauges_loop()))
         if self.stall is not None:
             self._bg.append(loop.create_task(self.stall.run()))
+        if self.remotes:
+            self._bg.append(loop.create_task(self.remotes.run()))
 
     async def _keys_loop(self) -> None:
         while True:
@@ -246,8 +253,9 @@ class Router:
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         cards, source = await self._model_cards()
+        data = [self._with_revisions(c) for c in cards] + self.remotes.cards()
         return Response(
-            body=orjson.dumps({"object": "list", "data": [self._with_revisions(c) for c in cards]}),
+            body=orjson.dumps({"object": "list", "data": data}),
             content_type="application/json",
             headers={"x-pd-models-source": source},
         )
@@ -258,6 +266,14 @@ class Router:
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         name = request.match_info["model_id"]
+        remote = self.remotes.of(name)
+        if remote is not None:
+            card = next((c for c in self.remotes.cards() if c.get("id") == name), None)
+            if card is None:  # a revision's name: not listed, as the router's own are not
+                return Response(
+                    status=404, body=model_not_found(name), content_type="application/json"
+                )
+            return Response(body=orjson.dumps(card), content_type="application/json")
         if name != self.served and name not in self.names.adapters:
             return Response(status=404, body=model_not_found(name), content_type="application/json")
         cards, source = await self._model_cards()
@@ -401,6 +417,8 @@ class Router:
                 return bad
             if passthrough:
                 self.metrics.passthrough.labels(ctx.path).inc()
+                if ctx.remote is not None:
+                    return await self._route(request, ctx)
                 return await self.direct.passthrough(ctx, Downstream(request, ctx))
             return await self._route(request, ctx)
         finally:
@@ -445,6 +463,8 @@ class Router:
         if err:
             return error_response(400, err, "invalid_request_error")
         model = body.get("model")
+        if self.remotes and self._remote(ctx, model, raw):
+            return None
         try:
             ctx.wanted = self.names.wanted(model)
         except KeyError:
@@ -482,6 +502,8 @@ class Router:
         if isinstance(body, Response):
             return body
         if isinstance(body, dict):
+            if self.remotes and self._remote(ctx, body.get("model"), raw):
+                return None
             if strip_handoff_fields(body):
                 ctx.raw = orjson.dumps(body)
             ctx.body = body
@@ -490,8 +512,24 @@ class Router:
                 ctx.wanted = self.names.wanted(body.get("model"))  # an adapter's engines only
         return None
 
+    def _remote(self, ctx: Ctx, model: Any, raw: bytes) -> bool:
+        """Whether ``model`` is another release's (pd_router.remotes): then ``ctx`` goes there
+        with the body as the client sent it (that router strips and checks what it must)."""
+        if model == self.served:
+            return False
+        r = self.remotes.of(model)
+        if r is None:
+            return False
+        ctx.remote, ctx.route, ctx.reason, ctx.model = r, REMOTE, r.name, r.name
+        ctx.raw = raw
+        return True
+
     async def _route(self, request: Request, ctx: Ctx) -> Answer:
         """decide -> the chosen route."""
+        if ctx.remote is not None:
+            return await self.remotes.relay(
+                ctx.remote, ctx, Downstream(request, ctx), request.headers.get("authorization")
+            )
         decider, out = self.decider, self.outcomes
         decoders, prefillers = self.decode.healthy, self.prefill.healthy
         w = ctx.wanted

@@ -59,6 +59,10 @@ class ApiKeys:
         except OSError:
             pass
 
+    def first(self) -> str | None:
+        """The first key (what this router sends the routers it fronts: pd_router.remotes)."""
+        return self._keys[0].decode("utf-8", "surrogateescape") if self._keys else None
+
     @property
     def enabled(self) -> bool:
         return bool(self._keys)

@@ -318,9 +318,21 @@ class Tracing:
 
 
 @dataclass(frozen=True)
+class RemoteModel:
+    """Another release's router that this one fronts (pd_router.remotes): requests that name
+    ``name`` (or one of the adapters or KV revisions that router lists under it) are relayed
+    to ``url``, the base URL of that release's router Service."""
+
+    name: str = ""
+    url: str = ""
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     listen: Listen = field(default_factory=Listen)
     model: Model = field(default_factory=Model)
+    # other base models, each served by its own release (docs/lora.md "Several base models")
+    remote_models: list[RemoteModel] = field(default_factory=list)
     routing: Routing = field(default_factory=Routing)
     pools: Pools = field(default_factory=Pools)
     lmcache: LMCache = field(default_factory=LMCache)
@@ -543,6 +555,29 @@ def _validate_adapters(cfg: RouterConfig) -> None:
         )
 
 
+def _validate_remote_models(cfg: RouterConfig) -> None:
+    own = {a: "model.adapters" for a in cfg.model.adapters}
+    own[cfg.model.served_name] = "model.servedName"
+    seen: dict[str, int] = {}
+    for i, r in enumerate(cfg.remote_models):
+        base = f"remoteModels[{i}]"
+        if not _ADAPTER_RE.fullmatch(r.name):
+            raise ConfigError(
+                f"{base}.name: a model name is 1-128 letters, digits and . _ / - (starting "
+                f"with a letter or digit), got {r.name[:64]!r}"
+            )
+        if r.name in own:
+            raise ConfigError(f"{base}.name: {r.name!r} is this router's own {own[r.name]}")
+        if r.name in seen:
+            raise ConfigError(f"{base}.name: {r.name!r} is remoteModels[{seen[r.name]}]'s too")
+        seen[r.name] = i
+        if not _URL_RE.match(r.url):
+            raise ConfigError(
+                f"{base}.url: expected http(s)://host:port (that release's router Service), "
+                f"got {r.url[:200]!r}"
+            )
+
+
 def _validate_connector(cfg: RouterConfig) -> None:
     """What the layout and the decision need of the connector (pd_router.connectors)."""
     name = cfg.routing.connector
@@ -568,6 +603,7 @@ def _validate(cfg: RouterConfig) -> None:
         raise ConfigError("model.servedName: must not be empty")
     _validate_tokenizer_hub(cfg.model)
     _validate_adapters(cfg)
+    _validate_remote_models(cfg)
     _validate_routing(cfg)
     _validate_goodput(cfg)
     _validate_connector(cfg)

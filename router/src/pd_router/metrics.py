@@ -358,10 +358,13 @@ class Metrics:
             weights.census(engines),
         )
 
-    def models(self, names: Sequence[str]) -> None:
-        """Preset pd_router_model_requests_total for the served model and its adapters."""
+    def models(
+        self, names: Sequence[str], routes: Sequence[str] = ("direct", "disaggregated", "fallback")
+    ) -> None:
+        """Preset pd_router_model_requests_total for the served model and its adapters (the
+        remote models' under route ``remote``: pd_router.remotes)."""
         for name in names:
-            for route in ("direct", "disaggregated", "fallback"):
+            for route in routes:
                 self.model_requests.labels(name, route)
 
     def _preset(self) -> None:

@@ -2,9 +2,10 @@
 outcome is counted (:class:`Outcomes`).
 
 The route labels of every per-request metric live here: ``direct`` (short prompt, one
-decoder), ``disaggregated`` (prefill then decode) and ``fallback`` (meant to be disaggregated,
+decoder), ``disaggregated`` (prefill then decode), ``fallback`` (meant to be disaggregated,
 served by one decoder because the hand-off could not be used; the reason is counted in
-``pd_router_fallbacks_total``).
+``pd_router_fallbacks_total``) and ``remote`` (another release's model, relayed to its router:
+pd_router.remotes).
 
 A request is counted once, where it ends (:meth:`Outcomes.finish`, called by the app for every
 request whatever happened): the routes and legs only say how it went on its :class:`Ctx`
@@ -16,7 +17,7 @@ times or logs by hand. Per-token inter-token latency is the one measurement take
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pd_router.adapters import Wanted
 from pd_router.connectors import CONNECTORS
@@ -26,10 +27,14 @@ from pd_router.metrics import FALLBACK_REASONS, FallbackReason, Metrics
 from pd_router.plan import Option
 from pd_router.tracing import Trace
 
+if TYPE_CHECKING:  # pd_router.remotes relays through the legs, which import this module
+    from pd_router.remotes import Remote
+
 DIRECT = "direct"
 DISAGG = "disaggregated"
 FALLBACK = "fallback"
-ROUTES = (DIRECT, DISAGG, FALLBACK)
+REMOTE = "remote"  # relayed to another release's router (pd_router.remotes)
+ROUTES = (DIRECT, DISAGG, FALLBACK, REMOTE)
 # How the prompt was counted (pd_router_token_count_source_total); see pd_router.decide.
 COUNT_SOURCES = ("skipped", "tokens", "bound", "sampled", "tokenizer", "engine", "estimate")
 
@@ -74,6 +79,7 @@ class Ctx:
         "ptok",
         "raw",
         "reason",
+        "remote",
         "revision",
         "rid",
         "route",
@@ -135,6 +141,7 @@ class Ctx:
         # client named); None: any engine. ``model``: its pd_router_model_requests_total label
         self.wanted: Wanted | None = None
         self.model = ""
+        self.remote: Remote | None = None  # another release's model (pd_router.remotes)
 
     # -------------------------------------------------- what the client got (legs.Downstream)
     # The outcome follows from what reached the client, recorded by the Downstream that sent

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 import httptools
 
 _HIGH_WATER = 1 << 20
+X_PD = (0x78, 0x58)  # the first byte of an x-pd-* header name, either case
 
 
 class UpstreamError(ConnectionError):
@@ -102,6 +103,9 @@ class _Conn(asyncio.Protocol):
             self.resp.headers["content-type"] = value.decode("latin-1")
         elif n in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
             self.framed = True
+        elif name[0] in X_PD and self.resp is not None and name[:5].lower() == b"x-pd-":
+            # another release's router answering (pd_router.remotes): how it served the request
+            self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         framed, self.framed = self.framed, False
