@@ -61,8 +61,8 @@ lint: helm ## The checks users run in their CI (ci/check.sh), plus ruff
 	@scripts/install-tools.sh checkov
 	ci/check.sh
 
-render: helm4 ## Print an environment's manifests exactly as its Argo CD Application renders them (e.g. make render ENV=prod; ENV must be in the catalog argocd/environments/, an error lists it)
-	@$(PY) -m ci.render --helm $(HELM) --print $(ENV)
+render: helm4 ## Print an environment's manifests exactly as its Argo CD Application renders them (e.g. make render ENV=prod; ENV must be in the catalog argocd/environments/, an error lists it); VALUES="a.yaml ..." layers more files last (ENV= VALUES=...: those files over the chart defaults, release pd)
+	@$(PY) -m ci.render --helm $(HELM) --print "$(ENV)" $(if $(VALUES),--values $(VALUES))
 
 snapshot: helm ## Refresh the committed snapshot of the default render (review its diff)
 	$(PY) -m tests.snapshot --update

@@ -5,6 +5,7 @@ Writes build/rendered/<env>.yaml for the next steps (checkov).
 
     python -m ci.render [--helm PATH] [--out DIR]
     python -m ci.render --print ENV [--helm PATH]   # ENV's manifests on stdout (make render)
+    python -m ci.render --print ENV --values F...  # ... with F layered last (make render VALUES=...)
 """
 
 from __future__ import annotations
@@ -51,14 +52,28 @@ def validate(docs: list[dict]) -> list[str]:
     return errors
 
 
-def print_env(helm: str, env: str) -> int:
-    """`make render ENV=...`: the manifests only, on stdout; an unknown ENV lists the catalog."""
-    try:
-        app = gitops.environment_application(env)
-    except lib.CatalogError as exc:
-        print(f"render: {exc}", file=sys.stderr)
+def print_env(helm: str, env: str | None, values: list[str]) -> int:
+    """`make render ENV=... [VALUES="a.yaml b.yaml"]`: the manifests only, on stdout, with
+    `values` layered after ENV's value files (as adding them to its valueFiles would); an unknown
+    ENV lists the catalog. Without ENV: `values` over the chart defaults, release `pd` in namespace
+    `default` (an example that is no environment of the catalog, e.g. docs/examples/two-models/)."""
+    missing = [v for v in values if not (ROOT / v).is_file()]
+    if missing:
+        print(f"render: VALUES {missing} do not exist (paths are from the repository root)", file=sys.stderr)
         return 2
-    sys.stdout.write(render(helm, app))
+    if env or not values:  # neither: the catalog error lists the environments
+        try:
+            app = gitops.environment_application(env or "")
+        except lib.CatalogError as exc:
+            print(f"render: {exc}", file=sys.stderr)
+            return 2
+        command = gitops.helm_command(app, helm) + lib.value_flags(values)
+    else:
+        command = lib.helm_template(values, helm=helm, namespace="default", include_crds=True)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"render: helm template failed:\n{proc.stderr}")
+    sys.stdout.write(proc.stdout)
     return 0
 
 
@@ -67,9 +82,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--helm", default=str(lib.HELM))
     parser.add_argument("--out", default=str(ROOT / "build" / "rendered"))
     parser.add_argument("--print", metavar="ENV", dest="env", help="print ENV's manifests instead (no checks)")
+    parser.add_argument("--values", nargs="*", default=[], help="with --print: value files layered after ENV's")
     args = parser.parse_args(argv)
-    if args.env is not None:
-        return print_env(args.helm, args.env)
+    if args.env is not None or args.values:
+        return print_env(args.helm, args.env, args.values)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     failed = False

@@ -593,6 +593,28 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "model:\n  lora:\n    adapters: [{name: a, rank: 8, path: /m/a}, {name: a, rank: 8, path: /m/b}]\n",
         ("model.lora.adapters[1].name", "model.lora.adapters[0].name"),
     ),
+    # Other releases' models (router.remoteModels): a name of its own, a URL the router can use.
+    "remote_model_named_as_the_model": (
+        "router:\n  remoteModels: [{name: qwen3.5-9b, url: 'http://b:8000', release: b}]\n",
+        ("router.remoteModels[0].name", "model.servedName"),
+    ),
+    "remote_model_named_as_an_adapter": (
+        "model:\n  lora:\n    adapters: [{name: a, rank: 8, path: /m/a}]\n"
+        "router:\n  remoteModels: [{name: a, url: 'http://b:8000', release: b}]\n",
+        ("router.remoteModels[0].name", "model.lora.adapters[0].name"),
+    ),
+    "remote_model_named_twice": (
+        "router:\n  remoteModels: [{name: b, url: 'http://b:8000', release: b}, {name: b, url: 'http://c:8000', release: c}]\n",
+        ("router.remoteModels[1].name", "router.remoteModels[0]"),
+    ),
+    "remote_model_url_with_a_path": (
+        "router:\n  remoteModels: [{name: b, url: 'http://b:8000/v1', release: b}]\n",
+        ("/router/remoteModels/0/url",),
+    ),
+    "remote_model_without_its_release": (
+        "router:\n  remoteModels: [{name: b, url: 'http://b:8000'}]\n",
+        ("/router/remoteModels/0", "release"),
+    ),
     "lora_adapter_without_a_source": (
         "model:\n  lora:\n    adapters: [{name: a, rank: 8}]\n",
         ("model.lora.adapters[0]", "exactly one source"),
@@ -826,6 +848,13 @@ GOOD_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
         (),
         "engine:\n  layout: flexible\nprefill:\n  replicas: 0\n  nodes: 2\n  tensorParallelSize: 2\n"
         "  extraArgs: [--tensor-parallel-size=4]\nrouter:\n  decision: goodput\n",
+    ),
+    # another release's model next to this release's adapters, its router in another namespace
+    "remote_models_beside_adapters": (
+        (),
+        "model:\n  lora:\n    adapters: [{name: a, rank: 8, path: /m/a}]\n"
+        "router:\n  remoteModels:\n    - {name: b, url: 'https://b-router.llm.svc:8000/', release: b, namespace: llm}\n"
+        "networkPolicy:\n  egress: {enabled: true}\n",
     ),
     "goodput_decision_on_split_engines": (
         (),

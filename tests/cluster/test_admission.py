@@ -340,3 +340,40 @@ def test_lmcache_mp_engine_pods_pass_strict_server_side_validation(cluster: Cont
         (pod,) = _served(cluster, [rendered.pod_of(doc, ns)])
         names = [c["name"] for c in pod["spec"]["containers"]]
         assert "lmcache-server" in names, names
+
+
+# --- several base models (issue 35): docs/examples/two-models/ ------------------------------------
+
+TWO_MODELS = {"scenario:two-models-llama+prod": "two-models-llama", "scenario:two-models-qwen+prod": "two-models-qwen"}
+
+
+def test_two_models_releases_pass_strict_server_side_validation_and_admission(cluster: ControlPlane) -> None:
+    """docs/examples/two-models/: each release's objects as the API server keeps them, in a
+    namespace of its own at prod's Pod Security level, and every pod of both admitted there;
+    the fronting router's config names the other release's router (and the router's loader
+    takes it), and each release's engines serve their own adapters only."""
+    import yaml
+    from pd_router.config import parse_config
+
+    from tests import cases
+
+    configs = {}
+    for scenario, ns in TWO_MODELS.items():
+        cluster.apply([fleet.namespace(ns, POD_SECURITY["prod"])])
+        docs = helm.render(helm.helm_binaries()[0], cases.LAYERINGS[scenario], namespace=ns)
+        served = _served(cluster, docs)
+        assert {d["kind"] for d in served} >= {"StatefulSet", "Deployment", "ConfigMap", "NetworkPolicy"}
+        pods = 0
+        for doc in docs:
+            if doc["kind"] in ("Deployment", "StatefulSet"):
+                ok, why = admitted(cluster, rendered.pod_of(doc, ns))
+                assert ok, (doc["metadata"]["name"], why)
+                pods += 1
+        assert pods == 3
+        (cm,) = [d for d in served if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-router")]
+        configs[ns] = parse_config(yaml.safe_load(cm["data"]["router.yaml"]))
+    front, other = configs["two-models-llama"], configs["two-models-qwen"]
+    ((remote,),) = [front.remote_models]
+    assert (remote.name, remote.url) == (other.model.served_name, "http://pd-pd-inference-router.pd-qwen.svc:8000")
+    assert front.model.adapters == ["sql-expert", "support-bot"] and other.model.adapters == ["qwen-support"]
+    assert other.remote_models == []

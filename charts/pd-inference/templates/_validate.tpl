@@ -13,6 +13,7 @@ order (the first rule broken is the one reported).
 {{- include "pd-inference.validate.notifications" . -}}
 {{- include "pd-inference.validate.tracing" . -}}
 {{- include "pd-inference.validate.gateway" . -}}
+{{- include "pd-inference.validate.remoteModels" . -}}
 {{- include "pd-inference.validate.kvBuffer" . -}}
 {{- include "pd-inference.validate.tokenizer" . -}}
 {{- include "pd-inference.validate.zone" . -}}

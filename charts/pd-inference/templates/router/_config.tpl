@@ -28,6 +28,7 @@ connector, and kvEvents the KV-cache event ports whether or not the engines publ
     "prefixCache" (dict "capacityTokens" (int $r.prefixCache.capacityTokens) "maxLoadImbalance" (int $r.prefixCache.maxLoadImbalance))
     "prefillBusy" (dict "queuedTokens" (int $r.prefillBusy.queuedTokens) "maxDecoderRequests" (int $r.prefillBusy.maxDecoderRequests))
     "kvEvents" (dict "enabled" $v.engine.kvEvents.enabled "port" $port.kvEvents "replayPort" $port.kvReplay "topic" (include "pd-inference.kvEventsTopic" .)))
+  "remoteModels" (include "pd-inference.remoteModels" . | fromJsonArray)
   "pools" dict
   "lmcache" (dict
     "notifyBindHost" "0.0.0.0"
@@ -105,3 +106,12 @@ requests.cpu) rounded up; 1 when the router binds the LMCache notification socke
 {{- define "pd-inference.routerMetricsTokenDir" -}}/etc/pd-router/metrics-token{{- end -}}
 {{- define "pd-inference.routerConfigDir" -}}/etc/pd-router{{- end -}}
 {{- define "pd-inference.routerConfigFile" -}}router.yaml{{- end -}}
+
+{{/* The router config's remoteModels: each other release's model and router URL (pd_router.remotes). */}}
+{{- define "pd-inference.remoteModels" -}}
+{{- $out := list -}}
+{{- range .Values.router.remoteModels -}}
+{{- $out = append $out (dict "name" .name "url" .url) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}

@@ -78,3 +78,22 @@ generated from pd_router.config). */ -}}
 {{- fail "router.auth.metricsTokenSecret.name: the router's /metrics is protected (router.auth.protectMetrics) and metrics.serviceMonitor.enabled, so Prometheus needs a credential: name a Secret whose key router.auth.metricsTokenSecret.key holds a metrics-only token" -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "pd-inference.validate.remoteModels" -}}
+{{- $v := .Values -}}
+{{- /* Another release's model: a name of its own (not this release's model or adapters, nor another entry's). */ -}}
+{{- $own := dict $v.model.servedName "model.servedName" -}}
+{{- range $i, $a := $v.model.lora.adapters -}}
+{{- $_ := set $own $a.name (printf "model.lora.adapters[%d].name" $i) -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $i, $r := $v.router.remoteModels -}}
+{{- if hasKey $own $r.name -}}
+{{- fail (printf "router.remoteModels[%d].name: %q is this release's %s; a remote model is another release's" $i $r.name (get $own $r.name)) -}}
+{{- end -}}
+{{- if hasKey $seen $r.name -}}
+{{- fail (printf "router.remoteModels[%d].name: %q is router.remoteModels[%d]'s too; one entry per model" $i $r.name (get $seen $r.name)) -}}
+{{- end -}}
+{{- $_ := set $seen $r.name $i -}}
+{{- end -}}
+{{- end -}}
