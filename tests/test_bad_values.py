@@ -607,6 +607,10 @@ BAD_VALUES: dict[str, tuple[str, tuple[str, ...]]] = {
         "router:\n  remoteModels: [{name: b, url: 'http://b:8000', release: b}, {name: b, url: 'http://c:8000', release: c}]\n",
         ("router.remoteModels[1].name", "router.remoteModels[0]"),
     ),
+    "remote_model_that_is_this_release": (
+        "router:\n  remoteModels: [{name: b, url: 'http://pd-pd-inference-router:8000', release: pd}]\n",
+        ("router.remoteModels[0].release", "cannot front itself"),
+    ),
     "remote_model_url_with_a_path": (
         "router:\n  remoteModels: [{name: b, url: 'http://b:8000/v1', release: b}]\n",
         ("/router/remoteModels/0/url",),

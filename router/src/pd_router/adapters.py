@@ -81,6 +81,15 @@ class Names:
                 return Wanted(revision=rev)
         raise KeyError(model)
 
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` is one of this router's names (its model, a configured adapter,
+        one of its KV revisions'): never another release's (pd_router.remotes)."""
+        return (
+            model == self.served
+            or model in self.adapters
+            or revision.of_alias(model, self.served) is not None
+        )
+
     def label(self, model: Any) -> str:
         """The ``model`` metric label of a request served under ``model``."""
         return model if isinstance(model, str) and model in self.adapters else self.served

@@ -15,7 +15,6 @@ request: ``Outcomes.finish`` counts, times and the access line logs it, however 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -50,8 +49,8 @@ from pd_router.openai_wire import (
     validate,
 )
 from pd_router.pairs import HandoffPairs
-from pd_router.remotes import REMOTE, Remotes
-from pd_router.request import Ctx, Outcomes
+from pd_router.remotes import Remotes
+from pd_router.request import ENGINE_ROUTES, REMOTE, Ctx, Outcomes
 from pd_router.served import ServedModel
 from pd_router.tokens import TokenCounter, tokenizer_from_json
 from pd_router.upstream import UpstreamClient
@@ -103,17 +102,25 @@ class Router:
         self.decider.adapters = frozenset(cfg.model.adapters)
         # the model names served (pd_router.adapters): the served one, adapters, revisions
         self.names = Names(cfg.model.served_name, cfg.model.adapters)
-        m.models(self.names.labels)
+        m.models(self.names.labels, ENGINE_ROUTES)
         # other base models, each its own release's (pd_router.remotes)
-        self.remotes = Remotes(cfg.remote_models, self.up, cfg.health, cfg.timeouts, self.legs)
-        self.remotes.keys = self.keys
-        m.models(self.remotes.names, (REMOTE,))
-        # The hand-off is chosen once, here (routing.connector), with all it needs.
-        self.direct = DirectRoute(self.legs)
-        self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
         self.affinity_header = (
             cfg.routing.session_affinity_header or ""
         ).lower() or None  # http1.Headers: lower-case names
+        self.remotes = Remotes(
+            cfg.remote_models,
+            self.up,
+            cfg.health,
+            cfg.timeouts,
+            self.legs,
+            self.names.serves,
+            self.affinity_header,
+        )
+        self.remotes.keys = self.keys
+        m.remote_models(self.remotes.names, REMOTE)
+        # The hand-off is chosen once, here (routing.connector), with all it needs.
+        self.direct = DirectRoute(self.legs)
+        self.disaggregated: Route = build_route(cfg, self.legs, self.direct)
         self.served = cfg.model.served_name
         self.session: aiohttp.ClientSession | None = None  # health checks
         self.access_log = AccessLog(log)  # after logs.setup: the level decides
@@ -266,7 +273,7 @@ class Router:
         if not self._authorized(request):
             return error_response(401, "invalid or missing API key", "authentication_error")
         name = request.match_info["model_id"]
-        remote = self.remotes.of(name)
+        remote = None if self.names.serves(name) else self.remotes.of(name)
         if remote is not None:
             card = next((c for c in self.remotes.cards() if c.get("id") == name), None)
             if card is None:  # a revision's name: not listed, as the router's own are not
@@ -463,15 +470,15 @@ class Router:
         if err:
             return error_response(400, err, "invalid_request_error")
         model = body.get("model")
-        if self.remotes and self._remote(ctx, model, raw):
-            return None
         try:
             ctx.wanted = self.names.wanted(model)
-        except KeyError:
-            return Response(
-                status=404, body=model_not_found(model), content_type="application/json"
-            )
-        ctx.model = self.names.label(model)
+        except KeyError:  # this router's own names first: a remote never takes one over
+            if not self._remote(ctx, model):
+                return Response(
+                    status=404, body=model_not_found(model), content_type="application/json"
+                )
+        else:
+            ctx.model = self.names.label(model)
         if strip_handoff_fields(body):
             raw = orjson.dumps(body)
         ctx.raw = raw
@@ -502,33 +509,30 @@ class Router:
         if isinstance(body, Response):
             return body
         if isinstance(body, dict):
-            if self.remotes and self._remote(ctx, body.get("model"), raw):
-                return None
             if strip_handoff_fields(body):
                 ctx.raw = orjson.dumps(body)
             ctx.body = body
             ctx.stream = body.get("stream") is True
-            with contextlib.suppress(KeyError):  # a name not served: the engine answers it
+            try:
                 ctx.wanted = self.names.wanted(body.get("model"))  # an adapter's engines only
+            except KeyError:  # another release's model, else the engine answers the name
+                self._remote(ctx, body.get("model"))
         return None
 
-    def _remote(self, ctx: Ctx, model: Any, raw: bytes) -> bool:
-        """Whether ``model`` is another release's (pd_router.remotes): then ``ctx`` goes there
-        with the body as the client sent it (that router strips and checks what it must)."""
-        if model == self.served:
-            return False
-        r = self.remotes.of(model)
+    def _remote(self, ctx: Ctx, model: Any) -> bool:
+        """Whether ``model``, a name this router does not serve, is another release's
+        (pd_router.remotes): then ``ctx`` goes there."""
+        r = self.remotes.of(model) if self.remotes else None
         if r is None:
             return False
         ctx.remote, ctx.route, ctx.reason, ctx.model = r, REMOTE, r.name, r.name
-        ctx.raw = raw
         return True
 
     async def _route(self, request: Request, ctx: Ctx) -> Answer:
         """decide -> the chosen route."""
         if ctx.remote is not None:
             return await self.remotes.relay(
-                ctx.remote, ctx, Downstream(request, ctx), request.headers.get("authorization")
+                ctx.remote, ctx, Downstream(request, ctx), request.headers
             )
         decider, out = self.decider, self.outcomes
         decoders, prefillers = self.decode.healthy, self.prefill.healthy

@@ -686,9 +686,11 @@ class Legs:
         resp: Response,
         ep: Endpoint,
         relabel: Relabel | None = None,
+        remote: bool = False,
     ) -> Answer:
         """Forward a decoder's SSE body to the open stream as it arrives: bytes as they are,
-        or through ``relabel(chunk) -> bytes``. Owns ``resp`` (and so its lease)."""
+        or through ``relabel(chunk) -> bytes``. Owns ``resp`` (and so its lease). ``remote``:
+        ``ep`` is another release's router (pd_router.remotes), not an engine of a pool."""
         out = self.outcomes
         itl_h = out.hist(ctx.route)[1]
         job = ctx.job  # the goodput decision's cost model learns each gap (pd_router.costs)
@@ -729,8 +731,11 @@ class Legs:
                 if guard is not None and guard.expired():
                     down.gone()
                     return down.response
-                out.upstream("decode", "stream")
-                self.engine_failed(self.decode_pool, ep)
+                if remote:
+                    out.upstream("remote", "stream")
+                else:
+                    out.upstream("decode", "stream")
+                    self.engine_failed(self.decode_pool, ep)
                 await down.stream_error("upstream stream failed")
                 ok = True
                 return down.response

@@ -358,14 +358,20 @@ class Metrics:
             weights.census(engines),
         )
 
-    def models(
-        self, names: Sequence[str], routes: Sequence[str] = ("direct", "disaggregated", "fallback")
-    ) -> None:
+    def models(self, names: Sequence[str], routes: Sequence[str]) -> None:
         """Preset pd_router_model_requests_total for the served model and its adapters (the
         remote models' under route ``remote``: pd_router.remotes)."""
         for name in names:
             for route in routes:
                 self.model_requests.labels(name, route)
+
+    def remote_models(self, names: Sequence[str], route: str) -> None:
+        """Preset the series of requests relayed to other releases' routers (pd_router.remotes,
+        under ``route``), by their configured names; none without remote models."""
+        for name in names:
+            self.model_requests.labels(name, route)
+        if names:
+            self.requests.labels(route, "ok")  # born at 0, as ROUTES_OUTCOMES' are
 
     def _preset(self) -> None:
         """Every known label set at 0, so a series exists before its first event."""

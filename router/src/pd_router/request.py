@@ -34,7 +34,8 @@ DIRECT = "direct"
 DISAGG = "disaggregated"
 FALLBACK = "fallback"
 REMOTE = "remote"  # relayed to another release's router (pd_router.remotes)
-ROUTES = (DIRECT, DISAGG, FALLBACK, REMOTE)
+ENGINE_ROUTES = (DIRECT, DISAGG, FALLBACK)  # a request of this router's own model
+ROUTES = (*ENGINE_ROUTES, REMOTE)
 # How the prompt was counted (pd_router_token_count_source_total); see pd_router.decide.
 COUNT_SOURCES = ("skipped", "tokens", "bound", "sampled", "tokenizer", "engine", "estimate")
 

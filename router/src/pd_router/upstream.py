@@ -103,6 +103,8 @@ class _Conn(asyncio.Protocol):
             self.resp.headers["content-type"] = value.decode("latin-1")
         elif n in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
             self.framed = True
+        elif n == 11 and self.resp is not None and name.lower() == b"retry-after":
+            self.resp.headers["retry-after"] = value.decode("latin-1")  # relayed by remotes
         elif name[0] in X_PD and self.resp is not None and name[:5].lower() == b"x-pd-":
             # another release's router answering (pd_router.remotes): how it served the request
             self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")

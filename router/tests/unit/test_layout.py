@@ -156,7 +156,8 @@ def test_the_http_surface_names_no_hand_off_protocol() -> None:
 
 def test_only_the_finishing_place_counts_requests() -> None:
     """pd_router_requests_total is written in Outcomes.finish alone (and preset at 0 by
-    Metrics): a request is counted once, where it ends."""
+    Metrics, the remote route's where there are remote models): a request is counted once,
+    where it ends."""
     writers = set()
     for f, tree in _modules():
         for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
@@ -167,6 +168,7 @@ def test_only_the_finishing_place_counts_requests() -> None:
     assert writers == {
         "metrics.py:Metrics._declare_requests",
         "metrics.py:Metrics._preset",
+        "metrics.py:Metrics.remote_models",
         "request.py:Outcomes.finish",
     }, writers
 

@@ -95,5 +95,8 @@ generated from pd_router.config). */ -}}
 {{- fail (printf "router.remoteModels[%d].name: %q is router.remoteModels[%d]'s too; one entry per model" $i $r.name (get $seen $r.name)) -}}
 {{- end -}}
 {{- $_ := set $seen $r.name $i -}}
+{{- if and (eq $r.release $.Release.Name) (eq ($r.namespace | default $.Release.Namespace) $.Release.Namespace) -}}
+{{- fail (printf "router.remoteModels[%d].release: %q in namespace %q is this release: a router cannot front itself" $i $r.release ($r.namespace | default $.Release.Namespace)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
