@@ -6,6 +6,7 @@ socket server in the test, misbehaving on purpose."""
 from __future__ import annotations
 
 import json
+import socket
 import socketserver
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,15 @@ EVENT = (
     b'data: {"id":"x","object":"chat.completion.chunk",'
     b'"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 )
+
+
+FLOOD_EVENTS = 256  # of 32 KiB: 8 MiB, past the client's socket and the router's buffer
+# and 64 MiB: past every buffer on the way (loopback's socket buffers grow to a few MiB each)
+FLOODS = {"flood": FLOOD_EVENTS, "flood-all-buffers": 2048}
+
+
+def flood_event(i: int) -> bytes:
+    return b"data: " + (b"%08d" % i) * 4096 + b"\n\n"
 
 
 def _chunk(data: bytes) -> bytes:
@@ -65,6 +75,17 @@ class _Handler(socketserver.StreamRequestHandler):
             if mode == "cut-stream":
                 self.wfile.write(SSE_HEAD + _chunk(EVENT))
                 return
+            if mode in FLOODS:  # more than the sockets hold, as fast as it will go
+                try:
+                    self.wfile.write(SSE_HEAD)
+                    for i in range(FLOODS[mode]):
+                        self.wfile.write(_chunk(flood_event(i)))
+                    self.wfile.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                    self.wfile.flush()
+                except OSError:  # the router closed it: its client stopped reading
+                    self.server.closed_by_router.release()
+                    return
+                continue
             if mode == "stall-body":
                 self.wfile.write(b'HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{"partial')
             elif mode == "stall-stream":
@@ -143,3 +164,52 @@ def test_stream_failure_ends_with_error_event(router: Proc, engine: BadEngine, m
     assert _errors(router, "stream") == before + 1
     if mode.startswith("stall"):
         assert engine.closed_by_router.acquire(timeout=30)
+
+
+def _ask_flood(router: Proc, mode: str = "flood") -> socket.socket:
+    """A raw client that asks for a flood stream and reads nothing yet (a small receive
+    buffer: the router's writes to it back up at once)."""
+    body = json.dumps({"messages": [{"role": "user", "content": mode}], "stream": True})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = router.url().removeprefix("http://").split(":")
+    sock.connect((host, int(port)))
+    sock.settimeout(60)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode())
+    )
+    return sock
+
+
+def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(router: Proc) -> None:
+    """The relay waits for a client that falls behind (its writes back up) and goes on once it
+    reads: every byte arrives, in order."""
+    sock = _ask_flood(router)
+    got = bytearray()
+    with sock:
+        while not got.endswith(b"0\r\n\r\n"):
+            part = sock.recv(4096)  # small reads: the router keeps getting ahead of this client
+            assert part, "the router closed the stream early"
+            got += part
+    head, _, chunked = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    body = bytearray()
+    while chunked:
+        size, _, rest = chunked.partition(b"\r\n")
+        n = int(size, 16)
+        body += rest[:n]
+        chunked = rest[n + 2 :]
+    want = b"".join(flood_event(i) for i in range(FLOOD_EVENTS)) + b"data: [DONE]\n\n"
+    assert bytes(body) == want
+
+
+def test_a_client_that_stops_reading_is_dropped_and_the_engine_let_go(
+    router: Proc, engine: BadEngine
+) -> None:
+    before = metric_value(router.url(), "pd_router_client_disconnects_total")
+    with _ask_flood(router, "flood-all-buffers"):
+        # reads nothing: the router gives up on it after 2 x streamIdleSeconds and closes the
+        # engine's connection, which the engine's blocked write sees
+        assert engine.closed_by_router.acquire(timeout=30)
+    assert metric_value(router.url(), "pd_router_client_disconnects_total") == before + 1

@@ -252,17 +252,25 @@ class StreamResponse:
         await conn.drain()
 
     async def write(self, data: bytes) -> None:
+        if self.write_now(data):  # most writes go straight out: no wait to set up
+            await self.drain()
+
+    def write_now(self, data: bytes) -> bool:
+        """Write ``data`` without waiting; True when the client reads slower than it is written
+        (its transport's buffer is over the high-water mark): :meth:`drain` before more."""
         conn = self._conn
         if conn is None or self._ended:
             raise RuntimeError("write on a stream that is not open")
-        if not data:
-            return
-        if self._chunked:
-            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            conn.write(data)
-        if conn._write_paused:  # most writes go straight out: no wait to set up
-            await conn.drain()
+        if data:
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return conn._write_paused
+
+    async def drain(self) -> None:
+        """Until the client has read what was written (at once when it keeps up)."""
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("drain on a stream that is not open")
+        await conn.drain()
 
     async def write_eof(self) -> None:
         conn = self._conn

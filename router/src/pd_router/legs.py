@@ -19,6 +19,7 @@ import orjson
 
 from pd_router import adapters, balancing, http1, revision
 from pd_router.config import Timeouts
+from pd_router.costs import Job
 from pd_router.discovery import Endpoint, EndpointPool
 from pd_router.failures import UPSTREAM_ERRORS, LegError, TokenizeError
 from pd_router.http1 import Answer, Request
@@ -97,6 +98,24 @@ class Downstream:
             self.ctx.client_gone()
             raise ClientGone from None
 
+    def write_now(self, data: bytes) -> bool:
+        """Write without waiting: True when the client reads too slowly and :meth:`drain`
+        must come before more; :class:`ClientGone` if it left."""
+        assert self.response is not None
+        try:
+            return self.response.write_now(data)
+        except ConnectionError:
+            self.ctx.client_gone()
+            raise ClientGone from None
+
+    async def drain(self) -> None:
+        assert self.response is not None
+        try:
+            await self.response.drain()
+        except ConnectionError:
+            self.ctx.client_gone()
+            raise ClientGone from None
+
     async def end(self) -> None:
         """The stream's end. Every byte of the answer is written by then: a client gone before
         the end marker is not a disconnect (the openai client closes on ``data: [DONE]``)."""
@@ -171,6 +190,21 @@ class LegSpan:
 
 
 JSON = "application/json"
+
+
+def _timed(ctx: Ctx, itl_h: Any, job: Job | None, last: float) -> float:
+    """A stream's piece reached the client now (returned): its gap since the ``last`` one to
+    the ITL histogram and the goodput cost model, or, the first, the request's first token."""
+    now = time.perf_counter()
+    if last:
+        itl_h.observe(now - last)
+        if job is not None:
+            job.gap(now - last, now)
+    else:
+        ctx.t_first = now
+    return now
+
+
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
@@ -679,6 +713,48 @@ class Legs:
             return self.fail(ctx, down, err)
         return down.reply(resp.status, data, hdrs)
 
+    async def _relay_sunk(
+        self,
+        ctx: Ctx,
+        down: Downstream,
+        resp: Response,
+        itl_h: Any,
+        job: Job | None,
+        stall: float,
+    ) -> bool:
+        """:meth:`pump` without a task wake-up or a timer per chunk: each chunk is written to
+        the client in the upstream connection's callback (Response.sink) while the client keeps
+        up, timed there (ITL, the cost model's gap); when it falls behind, chunks wait in the
+        response while its writes drain, at most ``stall`` seconds (then False: it stopped
+        reading). True once the body is relayed whole; raises ClientGone or the upstream's
+        error (TimeoutError after its idle timeout)."""
+        last = ctx.t_first
+        gone = False
+
+        def relay(chunk: bytes) -> None:
+            nonlocal last, gone
+            last = _timed(ctx, itl_h, job, last)
+            try:
+                behind = down.write_now(chunk)
+            except ClientGone:
+                gone = True
+                behind = True
+            if behind:
+                resp.unsink()
+
+        while True:
+            resp.sink(relay)
+            if await resp.sink_wait():
+                return True
+            if gone:
+                raise ClientGone
+            try:
+                async with asyncio.timeout(stall):
+                    await down.drain()
+            except TimeoutError:
+                down.gone()
+                return False
+
     async def pump(
         self,
         ctx: Ctx,
@@ -706,18 +782,17 @@ class Legs:
         assert down.response is not None
         try:
             try:
+                if relabel is None:  # the bytes as they are: handed on as they arrive
+                    if not await self._relay_sunk(ctx, down, resp, itl_h, job, stall):
+                        return down.response  # the client stopped reading
+                    await down.end()
+                    ok = True
+                    return down.response
                 # guard: a client that stops reading must not hold the stream forever
                 async with asyncio.timeout(stall + slack) as guard:
                     move_at = loop.time() + slack
                     async for chunk in resp.iter_any():
-                        now = time.perf_counter()
-                        if last:
-                            itl_h.observe(now - last)
-                            if job is not None:
-                                job.gap(now - last, now)
-                        else:
-                            ctx.t_first = now
-                        last = now
+                        last = _timed(ctx, itl_h, job, last)
                         data = chunk if relabel is None else relabel(chunk)
                         if data:
                             await down.write(data)

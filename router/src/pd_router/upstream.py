@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httptools
 
 _HIGH_WATER = 1 << 20
+_monotonic = time.monotonic
 X_PD = (0x78, 0x58)  # the first byte of an x-pd-* header name, either case
 
 
@@ -66,7 +68,8 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.resp is None:
+        r = self.resp
+        if r is None:
             # bytes nobody asked for (an idle pooled connection): never reuse it
             self.close()
             return
@@ -77,6 +80,8 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"bad HTTP from engine: {exc}"))
             self.close()
+        if r._pending:  # the body chunks of this read, to the sink at once (Response.sink)
+            r._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -163,7 +168,10 @@ class Response:
         "_idle",
         "_on_done",
         "_paused",
+        "_pending",
+        "_sink",
         "_stale",
+        "_t_data",
         "_waiter",
         "complete",
         "headers",
@@ -187,6 +195,9 @@ class Response:
         self._exc: Exception | None = None
         self._stale = False
         self._on_done: Callable[[], None] | None = None
+        self._sink: Callable[[bytes], None] | None = None  # body chunks go here as they come
+        self._pending: list[bytes] = []  # the chunks of one read, for the sink
+        self._t_data = 0.0  # monotonic time the sink was last given a chunk (or set)
 
     def _done(self) -> None:
         cb = self._on_done
@@ -201,6 +212,9 @@ class Response:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        if self._sink is not None:  # handed on once the read is parsed: no wake, no buffer
+            self._pending.append(data)
+            return
         self._buf.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER and not self._paused and self._conn.transport:
@@ -226,6 +240,59 @@ class Response:
         finally:
             timer.cancel()
             self._waiter = None
+
+    # ------------------------------------------------------------------ sink mode
+    def sink(self, fn: Callable[[bytes], None]) -> None:
+        """From now on the body is handed to ``fn`` in the connection's callback as it arrives,
+        the chunks of one read as one piece (what is buffered first): a relay that keeps up
+        costs no task wake-up and no timer per chunk, and writes as often as the engine's
+        bytes arrive. ``fn`` must not raise; it calls :meth:`unsink` to stop (its client reads
+        too slowly), and chunks are buffered again."""
+        self._sink = fn
+        self._t_data = _monotonic()
+        if self._buf:
+            fn(self._take())
+
+    def _flush(self) -> None:
+        """The chunks of one read, to the sink as one piece (one write to the client)."""
+        p = self._pending
+        data = p[0] if len(p) == 1 else b"".join(p)
+        p.clear()
+        sink = self._sink
+        if sink is None:  # unsunk meanwhile: buffered for the reader
+            self._buf.append(data)
+            self._buffered += len(data)
+            return
+        self._t_data = _monotonic()
+        sink(data)
+
+    def unsink(self) -> None:
+        """Chunks are buffered again; :meth:`sink_wait` returns."""
+        self._sink = None
+        self._wake()
+
+    async def sink_wait(self) -> bool:
+        """While the sink takes the chunks: True once the body is complete, False once
+        :meth:`unsink` was called. Raises the connection's error, or TimeoutError when no
+        chunk came for the idle timeout."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._exc is not None:
+                raise self._exc
+            if self._sink is None:
+                return False
+            if self.complete:
+                return True
+            left = self._t_data + self._idle - _monotonic()
+            if left <= 0:
+                raise TimeoutError()
+            w = self._waiter = loop.create_future()
+            timer = loop.call_later(left, _wake_up, w)  # then the idle time is checked again
+            try:
+                await w
+            finally:
+                timer.cancel()
+                self._waiter = None
 
     async def _headers(self, timeout: float) -> None:
         while not self.status:
@@ -301,6 +368,11 @@ class Response:
 def _timeout(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
+
+
+def _wake_up(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class _HostPool:

@@ -57,6 +57,20 @@ class FakeResponse:
         for c in self.chunks:
             yield c
 
+    # upstream.Response's sink mode: each chunk handed on as it "arrives", until unsunk
+    def sink(self, fn: Callable[[bytes], None]) -> None:
+        self._sink: Callable[[bytes], None] | None = fn
+        self._sunk = getattr(self, "_sunk", 0)
+        while self._sunk < len(self.chunks) and self._sink is fn:
+            self._sunk += 1
+            fn(self.chunks[self._sunk - 1])
+
+    def unsink(self) -> None:
+        self._sink = None
+
+    async def sink_wait(self) -> bool:
+        return self._sink is not None and self._sunk == len(self.chunks)
+
     async def read_release(self) -> bytes:
         self.release()
         return b"".join(self.chunks)
@@ -171,6 +185,17 @@ class FakeDownstream:
             self.ctx.client_gone()
             raise ClientGone
         self.events.append(data)
+
+    def write_now(self, data: bytes) -> bool:
+        assert self.ctx is not None
+        if self.gone_after is not None and len(self.events) >= self.gone_after:
+            self.ctx.client_gone()
+            raise ClientGone
+        self.events.append(data)
+        return False  # the client keeps up
+
+    async def drain(self) -> None:
+        pass
 
     async def end(self) -> None:
         assert self.ctx is not None

@@ -42,3 +42,28 @@ def test_the_table_gives_each_owners_share_per_route() -> None:
     assert "| our HTTP server (pd_router/http1.py) | 30 % |" in lines
     assert any("`HttpConnection.data_received (pd_router/http1.py)` 30 %" in line for line in lines)
     assert profile.table([]) == []
+
+
+def test_samples_are_charged_to_the_step_of_their_innermost_frame_that_has_one() -> None:
+    steps = profile.by_step(RAW)
+    assert steps == {
+        "HTTP server: reading requests, writing answers": 6,
+        "upstream client: the engine call": 4,
+        "decision: prompt bound, prefix index, engine choice": 4,
+        "counting: metrics and the request's outcome": 2,
+        "event loop and transports (asyncio, uvloop)": 3,
+        profile.NO_FRAME: 1,
+    }
+    # the route's own frame where nothing inside it has a step; C code under a step is its
+    assert profile.step([ROOT, LOOP, ROUTE]) == "request setup, routing and finishing (app.py, Ctx)"
+    parse = "Router._parse (pd_router/app.py:440)"
+    assert profile.step([ROOT, ROUTE, parse]) == "body parse and validation"
+    assert profile.step([ROOT, "f (somewhere/else.py:1)"]) == "other"
+
+
+def test_the_step_table_gives_each_steps_cpu_per_request() -> None:
+    rows = profile.rows("ours-direct", "direct route", RAW, cpu_per_request=100e-6)
+    lines = profile.step_table(rows, ["direct route"])
+    assert "| step | direct route (100 µs) |" in lines
+    assert "| HTTP server: reading requests, writing answers | 30.0 (30 %) |" in lines
+    assert profile.step_table([], ["direct route"]) == []

@@ -14,10 +14,13 @@ the asyncio transport method that made it.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +45,55 @@ OWNERS: Sequence[tuple[str, tuple[str, ...]]] = (
         ("asyncio/", "uvloop/", "selectors.py", "socket.py"),
     ),
     ("JSON and the standard library", ("json/", "/python3", "/lib/python")),
+)
+# The steps of a request's walk through the router (issue 38: what each duty costs), each a list
+# of (path fragment of a frame's file, function name prefixes or () for any). A sample goes to
+# the step of its innermost frame that matches one, so the C code a step calls (a socket write,
+# orjson, a prometheus_client lock) counts for that step.
+STEPS: Sequence[tuple[str, Sequence[tuple[str, tuple[str, ...]]]]] = (
+    ("HTTP server: reading requests, writing answers", (("pd_router/http1.py", ()),)),
+    ("upstream client: the engine call", (("pd_router/upstream.py", ()),)),
+    (
+        "counting: metrics and the request's outcome",
+        (
+            ("prometheus_client/", ()),
+            ("pd_router/metrics.py", ()),
+            ("pd_router/request.py", ("Outcomes.",)),
+        ),
+    ),
+    ("access line and logs", (("/logging/", ()), ("pd_router/logs.py", ()))),
+    ("tracing", (("pd_router/tracing.py", ()),)),
+    (
+        "decision: prompt bound, prefix index, engine choice",
+        tuple(
+            (f"pd_router/{m}.py", ())
+            for m in ("decide", "prefix", "tokens", "plan", "costs", "kv_events", "lengths")
+        ),
+    ),
+    (
+        "body parse and validation",
+        (("pd_router/openai_wire.py", ()), ("pd_router/app.py", ("Router._parse", "_load_json"))),
+    ),
+    (
+        "auth, body read and admission",
+        (
+            ("pd_router/admission.py", ()),
+            ("pd_router/auth.py", ()),
+            ("pd_router/app.py", ("Router._admit", "Router._read_body", "Router._authorized")),
+        ),
+    ),
+    (
+        "legs: lease, decoder, relay of the answer",
+        tuple(
+            (f"pd_router/{m}", ())
+            for m in ("legs.py", "lease.py", "handoff/", "discovery.py", "pairs.py", "balancing.py")
+        ),
+    ),
+    (
+        "request setup, routing and finishing (app.py, Ctx)",
+        (("pd_router/app.py", ()), ("pd_router/request.py", ())),
+    ),
+    ("event loop and transports (asyncio, uvloop)", (("asyncio/", ()), ("uvloop/", ()))),
 )
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 _LINE = re.compile(r":\d+\)$")
@@ -82,6 +134,39 @@ def charge(raw: str) -> tuple[Counter[str], Counter[str]]:
     return by_owner, by_func
 
 
+def step(frames: Sequence[str]) -> str:
+    """The step (``STEPS``) of a sample, by its innermost frame that matches one; ``NO_FRAME``
+    when it has no Python frame, "other" when none matches."""
+    if frames and frames[-1].strip().startswith("process "):
+        return NO_FRAME
+    for frame in reversed(frames):
+        m = _FRAME.match(frame.strip())
+        if m is None:
+            continue
+        path, func = m.group("file"), m.group("func")
+        for name, rules in STEPS:
+            for fragment, prefixes in rules:
+                if fragment in path and (not prefixes or func.startswith(prefixes)):
+                    return name
+    return "other"
+
+
+def by_step(raw: str) -> Counter[str]:
+    """py-spy's raw (collapsed) stacks → samples per step of the request's walk."""
+    out: Counter[str] = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            out[step(stack.split(";"))] += int(count)
+    return out
+
+
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU ``pid`` has used (user and system, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def record(spy: Path, pid: int, seconds: float, out: Path) -> str:
     cmd = [str(spy), "record", "--format", "raw", "--nonblocking", "--subprocesses"]
     cmd += ["--rate", str(RATE), "--duration", str(max(1, round(seconds))), "--pid", str(pid)]
@@ -93,7 +178,12 @@ def record(spy: Path, pid: int, seconds: float, out: Path) -> str:
     return out.read_text()
 
 
-def rows(target: str, label: str, raw: str, top: int = 8) -> list[dict[str, Any]]:
+def rows(
+    target: str, label: str, raw: str, top: int = 8, cpu_per_request: float = 0.0
+) -> list[dict[str, Any]]:
+    """The owners' and the busiest functions' shares of the samples, and each step's share
+    with its CPU per request (``cpu_per_request``: the router's, in seconds, over the
+    samples' window; 0 = unknown)."""
     by_owner, by_func = charge(raw)
     total = sum(by_owner.values()) or 1
     out: list[dict[str, Any]] = [
@@ -117,6 +207,18 @@ def rows(target: str, label: str, raw: str, top: int = 8) -> list[dict[str, Any]
             "share": n / total,
         }
         for func, n in by_func.most_common(top)
+    ]
+    out += [
+        {
+            "kind": "profile_step",
+            "target": target,
+            "label": label,
+            "step": name,
+            "samples": n,
+            "share": n / total,
+            "us_per_request": n / total * cpu_per_request * 1e6,
+        }
+        for name, n in by_step(raw).most_common()
     ]
     return out
 
@@ -149,6 +251,35 @@ def table(found: list[dict[str, Any]]) -> list[str]:
         top = "; ".join(f"`{r['function']}` {r['share'] * 100:.0f} %" for r in funcs[:5])
         lines.append("")
         lines.append(f"- {t}, the busiest functions: {top}")
+    return lines + step_table(found, targets)
+
+
+def step_table(found: list[dict[str, Any]], targets: list[str]) -> list[str]:
+    """Each step's CPU per request (its share of the samples times the router's CPU per
+    request over the same window), per route."""
+    steps = [r for r in found if r["kind"] == "profile_step"]
+    if not steps:
+        return []
+    us = {(r["label"], r["step"]): r["us_per_request"] for r in steps}
+    share = {(r["label"], r["step"]): r["share"] for r in steps}
+    total = {t: sum(v for (label, _), v in us.items() if label == t) for t in targets}
+    lines = [
+        "",
+        "**Where a request's CPU goes, step by step** (the same samples, each charged to the "
+        "step of its innermost frame that has one, C code to its caller; µs of the router's "
+        "CPU per request over the samples' window, then the share of the samples; "
+        "`pd_router_dev.profile.STEPS`):",
+        "",
+        "| step | " + " | ".join(f"{t} ({total[t]:.0f} µs)" for t in targets) + " |",
+        "|---|" + "---:|" * len(targets),
+    ]
+    for name in [n for n, _ in STEPS] + [NO_FRAME, "other"]:
+        if any((t, name) in us for t in targets):
+            cells = [
+                f"{us.get((t, name), 0):.1f} ({share.get((t, name), 0) * 100:.0f} %)"
+                for t in targets
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -200,9 +331,15 @@ def run(
                 False,
                 bench.other_cpus,
             )
+            cpu_per_request = 0.0
             try:
+                cpu0, t0 = process_cpu(pid), time.monotonic()
                 raw = record(spy, pid, secs, st.workdir / f"{key}.profile.txt")
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                cpu, wall = process_cpu(pid) - cpu0, time.monotonic() - t0
+                # the load's rate, steady from its warm-up to its end, past the window
+                done = json.loads(load.communicate(timeout=secs + 60)[0])
+                cpu_per_request = cpu / (done["rps"] * wall) if done.get("rps") else 0.0
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
                 bench.notes.append(f"no profile of our {label}: {exc}")
                 raw = ""
             finally:
@@ -210,7 +347,7 @@ def run(
                 load.wait(10)
             stop()
             if raw:
-                found += rows(key, label, raw)
+                found += rows(key, label, raw, cpu_per_request=cpu_per_request)
                 if keep is not None:
                     keep.mkdir(parents=True, exist_ok=True)
                     (keep / f"{key}.profile.txt").write_text(raw)
