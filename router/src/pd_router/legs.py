@@ -742,18 +742,26 @@ class Legs:
             if behind:
                 resp.unsink()
 
-        while True:
-            resp.sink(relay)
-            if await resp.sink_wait():
-                return True
-            if gone:
-                raise ClientGone
-            try:
-                async with asyncio.timeout(stall):
-                    await down.drain()
-            except TimeoutError:
-                down.gone()
-                return False
+        try:
+            while True:
+                resp.sink(relay)
+                try:
+                    if await resp.sink_wait():
+                        return True
+                except UPSTREAM_ERRORS:
+                    if gone:  # the client left first: not the engine's failure
+                        raise ClientGone from None
+                    raise
+                if gone:
+                    raise ClientGone
+                try:
+                    async with asyncio.timeout(stall):
+                        await down.drain()
+                except TimeoutError:
+                    down.gone()
+                    return False
+        finally:  # whatever ends it: nothing more is written from the engine's callback
+            resp.unsink()
 
     async def pump(
         self,

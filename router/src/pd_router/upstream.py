@@ -264,7 +264,12 @@ class Response:
             self._buffered += len(data)
             return
         self._t_data = _monotonic()
-        sink(data)
+        try:
+            sink(data)
+        except Exception as exc:  # a bug of the relay's: its request fails, not the engine
+            self._sink = None
+            self._fail(exc, stale=False)
+            self._conn.close()
 
     def unsink(self) -> None:
         """Chunks are buffered again; :meth:`sink_wait` returns."""
