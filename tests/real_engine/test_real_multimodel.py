@@ -36,12 +36,8 @@ NEVER = "4000"  # the second router's threshold (below maxModelLen 4096): its en
 @pytest.fixture(scope="module")
 def other(workdir: Path) -> Iterator[engines.Engine]:
     e = engines.engine("decode", "hybrid", 1, workdir, extra=("--served-model-name", OTHER))
-    try:
-        e.start()
-        engines.wait_ready([e])
+    with engines.running([e]):
         yield e
-    finally:
-        e.stop()
 
 
 def _models(base: str) -> dict[str, dict[str, Any]]:
