@@ -97,6 +97,11 @@ CROWD_CONSOLIDATE = 1.0
 # samples that come faster are summed at once and reflected by the next decision after it.
 SOLVE_SECONDS = 0.05
 PRIOR_FADE = 0.9  # a prefill fit's prior weighs a tenth of a sample after about 30 samples
+# Fewer stretched steps than this harm no stream that counts (EngineCosts.harm).
+HARM_NEGLIGIBLE = 0.001
+# An engine's arrivals are weighed as of a reference time and scaled up as time goes on (one
+# exp a call, not one per bucket): brought back to now past this many windows.
+REBASE_TAUS = 32.0
 ITL_QUANTILE = 0.95  # the SLO is on each request's ITL p95 (DistServe's TPOT/ITL SLO)
 # A request whose output budget is unknown (no max_tokens) is taken to decode this many tokens.
 DEFAULT_OUTPUT_TOKENS = 256
@@ -529,6 +534,13 @@ class EngineCosts:
         "jobs",
         "last_gap",
         "last_prefill",
+        "log_itl_bound",
+        "memo_share",
+        "memo_share_at",
+        "memo_stall",
+        "memo_step",
+        "memo_step_next",
+        "memo_tick",
         "model",
         "next_due",
         "prefill",
@@ -571,12 +583,18 @@ class EngineCosts:
         self.chunk_size = max(16.0, self.chunk)  # a step's prompt tokens, as counted
         self.slow = Rate(self.tau)  # slow steps per second the prefills placed here cause
         # the calls the decisions placed here per second (decayed over the window, as of
-        # arrival_t), by the TTFT slack they were placed with (their bound less their
-        # predicted TTFT; CostModel.slack_bucket): what a prefill here holds up
+        # arrival_t: :meth:`arrived`), by the TTFT slack they were placed with (their bound
+        # less their predicted TTFT; CostModel.slack_bucket): what a prefill here holds up
         self.arrivals = [0.0] * SLACK_BUCKETS
         self.arrival_t = 0.0
         self.slow_gap = 0.0  # mean duration of a gap past the bound, observed (0: none yet)
         self.itl_bound = g.itl_seconds
+        self.log_itl_bound = math.log(self.itl_bound)
+        # the figures a decision asks of this engine a dozen times, kept while CostModel.tick
+        # stays (:meth:`_remember`)
+        self.memo_tick = -1
+        self.memo_step = self.memo_step_next = self.memo_stall = self.memo_share = 0.0
+        self.memo_share_at = math.nan
         # prompts sent here and not yet prefilled: their tokens, squares and steps
         self.q_tokens = 0
         self.q_sq = 0
@@ -616,6 +634,7 @@ class EngineCosts:
         decision weighs an engine several times at one ``now``."""
         if now == self.seen_at and not self.seen_gaps:
             return
+        self.model.tick += 1
         self.refresh_prefill(now)
         if self.step.pending and now - self.step_solved_at >= SOLVE_SECONDS:
             self.step.solve()
@@ -631,7 +650,7 @@ class EngineCosts:
             b = self.base
             report(b, "prefill_seconds_per_token", self.prefill.b)
             report(b, "stall_seconds_per_token", self.stall_per_token())
-            report(b, "decode_step_seconds", self.step_now(self.decoding))
+            report(b, "decode_step_seconds", self.step_here())
             report(b, "crowding", self.step.crowding)
             report(b, "slow_gap_share", self.slow_share(now))
             report(b, "chunk_tokens", self.chunk)
@@ -643,6 +662,7 @@ class EngineCosts:
             self._prefilled(j, now, False)
             j.decoding = True
             self.decoding += 1
+        self.model.tick += 1
         self.next_due = min((j.t_due for j in self.unseen), default=math.inf)
 
     def arrived(self, slack: float, now: float) -> None:
@@ -653,12 +673,15 @@ class EngineCosts:
         if not 0.0 < slack < math.inf:  # NaN too
             return
         w = self.arrivals
-        if self.arrival_t:
-            d = math.exp(-(now - self.arrival_t) / self.tau)
+        if not self.arrival_t:
+            self.arrival_t = now
+        ahead = (now - self.arrival_t) / self.tau
+        if ahead > REBASE_TAUS:  # weights as of now again, before their scale overflows
+            d = math.exp(-ahead)
             for i in range(SLACK_BUCKETS):
                 w[i] *= d
-        self.arrival_t = now
-        w[self.model.slack_bucket(slack)] += 1.0 / self.tau
+            self.arrival_t, ahead = now, 0.0
+        w[self.model.slack_bucket(slack)] += math.exp(ahead) / self.tau
 
     def arrival_rate(self, now: float) -> float:
         """Calls placed here per second, over the window."""
@@ -675,13 +698,14 @@ class EngineCosts:
                 self.prefill.lean_on(pooled)
             self.prefill.solve()
             self.solved_at = now
+            self.model.tick += 1
 
     # ------------------------------------------------------------------ predictions
     def prefill_seconds(self, tokens: int) -> float:
         """Until the first token of a prompt of ``tokens`` uncached tokens sent now: the step
         running, then the prompts queued ahead and this one, their chunks each a step that
         carries the engine's decodes too."""
-        return self.step_now(self.decoding) + self.prefill(
+        return self.step_here() + self.prefill(
             self.q_tokens + tokens,
             self.q_sq + tokens * tokens,
             self.q_steps + self.steps_of(tokens),
@@ -708,14 +732,39 @@ class EngineCosts:
         busy = (m.busy - (1 if self.jobs else 0)) * m.others_scale
         return max(STEP_MIN, (st.s0 + st.s1 * streams) * (1.0 + st.crowding * busy))
 
-    step_now = step_seconds
+    def step_here(self) -> float:
+        """A decode step with the streams decoding here now: :meth:`step_seconds` at
+        ``decoding``, kept for the instant (:meth:`_remember`)."""
+        if self.memo_tick != self.model.tick:
+            self._remember()
+        return self.memo_step
+
+    def step_next(self) -> float:
+        """A decode step with one stream more than decode here now."""
+        if self.memo_tick != self.model.tick:
+            self._remember()
+        return self.memo_step_next
+
+    def _remember(self) -> None:
+        """Work out the figures a decision asks of this engine a dozen times (its step now and
+        with one more stream, the stall per prompt token), kept until ``CostModel.tick``
+        moves: every change to any engine's state moves it, and so does each decision (the
+        tests change a fit by hand between them). The slow-gap share is kept per instant too
+        (:meth:`slow_share`). Asked afresh each time, they were a sixth of the decision's CPU
+        (``pd_router_dev.goodput_cost``, 2026-12-07)."""
+        self.memo_tick = self.model.tick
+        self.memo_step = self.step_seconds(self.decoding)
+        self.memo_step_next = self.step_seconds(self.decoding + 1)
+        x0 = STALL_PRIOR * 256.0 * 256.0
+        self.memo_stall = (self.stall_xy + x0 * self.prefill.b) / (self.stall_xx + x0)
+        self.memo_share_at = math.nan
 
     def busy_left(self) -> float:
         """Seconds until the calls here now should be over: the longest of each stream's tokens
         left at the step now, behind the prompts queued for those not yet prefilled."""
         if not self.jobs:
             return 0.0
-        step = self.step_now(self.decoding)
+        step = self.step_here()
         queue = self.queue_seconds()
         left = 0.0
         for j in self.jobs:
@@ -726,38 +775,40 @@ class EngineCosts:
     def stall_per_token(self) -> float:
         """What a prompt token adds to the step that prefills it, as the streams here saw it
         (the prefill fit's ``k`` until they did)."""
-        x0 = STALL_PRIOR * 256.0 * 256.0
-        return (self.stall_xy + x0 * self.prefill.b) / (self.stall_xx + x0)
+        if self.memo_tick != self.model.tick:
+            self._remember()
+        return self.memo_stall
 
     def chunk_seconds(self, done: float, c: float) -> float:
         """A step that carries ``c`` prompt tokens of a prompt ``done`` tokens in: the decode
         step and that chunk's compute (the stall seen per token, with attention's growth over
         the tokens before it from the prefill fit)."""
         p = self.prefill
-        return max(
-            STEP_MIN, self.step_now(self.decoding) + self.stall_per_token() * c + p.q * 2 * done * c
-        )
+        if self.memo_tick != self.model.tick:
+            self._remember()
+        return max(STEP_MIN, self.memo_step + self.memo_stall * c + p.q * 2 * done * c)
 
     def _stall(self, tokens: int, gap: float) -> None:
         """A gap that ended with the step that prefilled ``tokens`` (its last chunk)."""
-        y = gap - self.step_now(self.decoding)
+        y = gap - self.step_seconds(self.decoding)
         if y > 0 and tokens > 0:
             d = FORGET
             self.stall_xy = self.stall_xy * d + tokens * y
             self.stall_xx = self.stall_xx * d + tokens * tokens
+            self.model.tick += 1
 
     def saw_first_token(self, tokens: int, now: float) -> None:
         """A prompt of ``tokens`` uncached tokens was prefilled here just now (its first
         token): the gap of a stream that ended with the same step teaches the stall."""
         last = min(float(tokens), self.chunk)
         t, g = self.last_gap
-        if t and now - t < STEP_MATCH * self.step_now(self.decoding):
+        if t and now - t < STEP_MATCH * self.step_seconds(self.decoding):
             self._stall(int(last), g)
         self.last_prefill = (now, int(last))
 
     def saw_gap(self, dt: float, now: float) -> None:
         t, n = self.last_prefill
-        if t and now - t < STEP_MATCH * self.step_now(self.decoding):
+        if t and now - t < STEP_MATCH * self.step_seconds(self.decoding):
             self._stall(n, dt)
             self.last_prefill = (0.0, 0)  # one sample a step
         self.last_gap = (now, dt)
@@ -768,7 +819,7 @@ class EngineCosts:
         with the chance a prediction that far from it is wrong (``STEP_SPREAD``): a prompt
         whose chunks all fit well within the bound stretches nothing, one near it a fraction
         of a step."""
-        bound = math.log(self.itl_bound)
+        bound = self.log_itl_bound
         size = self.chunk_size
         if tokens <= 0:
             return 0.0
@@ -790,8 +841,13 @@ class EngineCosts:
         over the window (a machine, a batch or prefills that stretch its steps, all alike),
         held towards what the prefills placed here predict until ``SEEN_PRIOR`` gaps were
         seen."""
-        model = min(1.0, self.stretch(now) * self.step_now(self.decoding))
-        return (self.slow_d + SEEN_PRIOR * model) / (self.gaps_d + SEEN_PRIOR)
+        if self.memo_tick != self.model.tick:
+            self._remember()
+        if self.memo_share_at != now:
+            model = min(1.0, self.stretch(now) * self.memo_step)
+            self.memo_share = (self.slow_d + SEEN_PRIOR * model) / (self.gaps_d + SEEN_PRIOR)
+            self.memo_share_at = now
+        return self.memo_share
 
     def harm(self, slow_steps: float, now: float) -> float:
         """The expected number of streams decoding here that ``slow_steps`` more stretched
@@ -800,7 +856,7 @@ class EngineCosts:
         what it has left to decode) exceed its budget left, with these steps less without
         them. A stream already past its budget is not counted again; one with budget to spare
         costs a little, so prefills drift to where few streams decode."""
-        if slow_steps <= 0.001:
+        if slow_steps <= HARM_NEGLIGIBLE:
             return 0.0
         # a fraction of a step: that chance of one more (whole steps and a part)
         whole = math.floor(slow_steps)
@@ -858,7 +914,7 @@ class EngineCosts:
             slow = self.slow_steps(tokens)
         job = Job(self, kind, tokens, out, stream, slow, now)
         job.ahead = (self.q_tokens, self.q_sq, self.q_steps)
-        job.step0 = self.step_now(self.decoding)
+        job.step0 = self.step_seconds(self.decoding)
         if kind == "decode":
             job.decoding = True  # its first step only loads what was pulled
             self.decoding += 1
@@ -877,6 +933,7 @@ class EngineCosts:
         if not self.jobs:
             self.model.busy += 1
         self.jobs.add(job)
+        self.model.tick += 1
         return job
 
     def _prefilled(self, job: Job, now: float, learn: bool) -> None:
@@ -906,6 +963,7 @@ class EngineCosts:
             self._prefilled(job, now, True)
             job.decoding = True
             self.decoding += 1
+            self.model.tick += 1
         elif job.kind == "decode":
             # the pull and its first step, less the prompts queued ahead of it here
             x, x2, steps = job.ahead
@@ -931,6 +989,7 @@ class EngineCosts:
         if job.slow:
             mean = job.slow_gap_sum / job.slow
             self.slow_gap = mean if not self.slow_gap else 0.8 * self.slow_gap + 0.2 * mean
+        self.model.tick += 1
 
     def _learn_step(self, streams: float, busy: float, gap: float) -> None:
         """A call's streams saw a mean gap of ``gap`` with ``streams`` streams decoding here and
@@ -940,6 +999,7 @@ class EngineCosts:
         self.step.add(streams, busy, gap, solve)
         if solve:
             self._step_solved(now)
+        self.model.tick += 1
 
     def _step_solved(self, now: float) -> None:
         self.step_solved_at = now
@@ -1002,6 +1062,9 @@ class CostModel:
         self.slack_of = [base * 2.0**i for i in range(SLACK_BUCKETS)]  # each bucket's slack
         self._engines: dict[tuple[str, int], EngineCosts] = {}
         self.busy = 0  # engines with a call of this router in flight
+        # moved by every change to an engine's state and by each decision: an engine's figures
+        # for the state as it is are kept while it stays (EngineCosts._remember)
+        self.tick = 0
         self.others_scale = 1.0  # 1 / the other engines an engine has
         self.crowded = cfg.seed.crowding >= CROWD_MIN  # an engine's crowding is, now
         self.consolidate = cfg.seed.crowding >= CROWD_CONSOLIDATE  # and as much as that
@@ -1048,6 +1111,7 @@ class CostModel:
             for k in [k for k in self._engines if k[0] == base and k[1] < generation]:
                 del self._engines[k]
             self.others_scale = 1.0 / max(1, len(self._engines) - 1)
+            self.tick += 1
         return c
 
     @property

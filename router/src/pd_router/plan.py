@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from pd_router.costs import (
     CROWD_MIN,
     DEFAULT_OUTPUT_TOKENS,
+    HARM_NEGLIGIBLE,
     ITL_QUANTILE,
     CostModel,
     EngineCosts,
@@ -176,14 +177,15 @@ class Planner:
 
     def _costs(self, ep: Endpoint, now: float) -> EngineCosts:
         c = self.model.of(ep.base, ep.generation)
-        c.refresh(now)
+        if now != c.seen_at or c.seen_gaps:  # refresh's own test, saved a call: once an instant
+            c.refresh(now)
         return c
 
     def _decode(self, c: EngineCosts, out: int, now: float) -> tuple[float, float]:
         """(step, chance of missing the ITL bound) of a stream of ``out`` tokens decoding on
         ``c`` from now: its step alone past the bound is a miss; else more slow gaps than its
         budget, Poisson at the engine's share of slow gaps times its tokens."""
-        step = c.step_seconds(c.decoding + 1)
+        step = c.step_next()
         if step > self.itl_bound:
             return step, 1.0
         expected = c.slow_share(now) * out
@@ -263,22 +265,27 @@ class Planner:
         ttft = c.prefill_seconds(tokens)
         step, itl_miss = self._decode(c, out, now)
         slow = c.slow_steps(tokens)
-        harm = c.harm(slow, now)
-        itl_misses = itl_miss + harm + self.crowding(c, ttft + out * step, now)
-        up = self.held_up(c, tokens, now)
+        # harm, crowding and held_up are 0 for most short prompts: their tests saved a call
+        harm = c.harm(slow, now) if slow > HARM_NEGLIGIBLE else 0.0
+        itl_misses = itl_miss + harm
+        if self.model.crowded:
+            itl_misses += self.crowding(c, ttft + out * step, now)
+        up = self.held_up(c, tokens, now) if c.arrival_t else 0.0
         misses = ttft_miss(ttft, bound) + itl_misses + up
         return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm, up)
 
     def retimed(self, o: Option, tokens: int, bound: float, now: float) -> Option:
         """The whole option ``o``, weighed at a prompt's upper bound, for the ``tokens`` it is
         estimated at: its TTFT, its prefill's slow steps and their harm found again; its own
-        ITL kept (the engine's step and slow gaps do not depend on the prompt)."""
+        ITL kept (the engine's step and slow gaps do not depend on the prompt). Asked right
+        after :meth:`choose` weighed ``o``, with nothing changed since: the engine's figures
+        kept then still hold (``CostModel.tick``)."""
         c = self._costs(o.decoder, now)
         ttft = c.prefill_seconds(tokens)
         slow = c.slow_steps(tokens)
-        harm = c.harm(slow, now)
+        harm = c.harm(slow, now) if slow > HARM_NEGLIGIBLE else 0.0
         itl_misses = o.itl_misses - o.harm + harm
-        up = self.held_up(c, tokens, now)
+        up = self.held_up(c, tokens, now) if c.arrival_t else 0.0
         misses = ttft_miss(ttft, bound) + itl_misses + up
         return Option(
             o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm, up
@@ -295,6 +302,7 @@ class Planner:
     ) -> Choice | None:
         """The option to take for a prompt of ``prompt`` tokens (``held(ep)``: how many of
         them ``ep`` holds already) with ``out`` output tokens at most; None without decoders."""
+        self.model.tick += 1  # each engine's figures worked out afresh for this decision
         if not decoders:
             return None
         out = out if out and out > 0 else DEFAULT_OUTPUT_TOKENS

@@ -14,6 +14,7 @@ from pd_router.config import Goodput, GoodputSeed, Health
 from pd_router.costs import (
     CROWD_CONSOLIDATE,
     PRIOR_CHUNK_TOKENS,
+    REBASE_TAUS,
     SLACK_BUCKETS,
     SOLVE_SECONDS,
     CostModel,
@@ -84,6 +85,7 @@ def decoding(
 def prefilled_often(model: CostModel, ep: Endpoint, slow_steps: int) -> None:
     """Prefills placed on ``ep`` lately stretched ``slow_steps`` of its steps."""
     costs(model, ep).slow.add(slow_steps, model.clock())
+    model.tick += 1  # changed beneath EngineCosts' methods: its kept figures are stale
 
 
 def prefills_slowly(model: CostModel, ep: Endpoint) -> None:
@@ -92,6 +94,7 @@ def prefills_slowly(model: CostModel, ep: Endpoint) -> None:
     for n in (500, 1000, 2000, 3000):
         for _ in range(20):
             slow.prefill.add(n, n * n, slow.steps_of(n), 0.003 * n)
+    model.tick += 1
 
 
 NONE = lambda ep: 0  # noqa: E731 - nothing held anywhere
@@ -390,7 +393,7 @@ def test_a_pooled_fit_faster_than_the_seed_is_leant_on_as_it_is() -> None:
     c = costs(model, a)
     for n in (8000, 200, 4000, 300, 6000, 150) * 10:
         j = c.start("prefill", n, 0, False, clock())
-        clock.t += 0.005 + 0.000024 * n + c.step_now(0)
+        clock.t += 0.005 + 0.000024 * n + c.step_seconds(0)
         j.end()
         j.answered()
         clock.t += SOLVE_SECONDS
@@ -416,6 +419,59 @@ def test_a_pooled_fit_faster_than_the_seed_is_leant_on_as_it_is() -> None:
     clamped.beta0[1] = max(clamped.floor[1], pooled.beta[1])
     clamped.solve()
     assert clamped(6000, 6000**2, 3) > 1.4 * truth(6000)
+
+
+def test_arrivals_decayed_lazily_weigh_as_if_decayed_at_each_call() -> None:
+    """EngineCosts.arrived scales each new call up by the time since its reference instant
+    rather than decaying every bucket at each call; the rate and the weights it implies are
+    those of the decay at each call, also past ``REBASE_TAUS`` windows (brought back to now)."""
+    model, _, clock = setup()
+    (a,) = engines("a")
+    c = costs(model, a)
+    rng = random.Random(7)
+    eager = [0.0] * SLACK_BUCKETS
+    t_last = 0.0
+    for _ in range(400):
+        clock.t += rng.uniform(0.0, c.tau / 4)
+        slack = rng.choice((0.05, 0.2, 0.9, 3.0))
+        if t_last:
+            d = math.exp(-(clock.t - t_last) / c.tau)
+            eager = [w * d for w in eager]
+        t_last = clock.t
+        eager[model.slack_bucket(slack)] += 1.0 / c.tau
+        c.arrived(slack, clock())
+    assert clock.t - 1000.0 > REBASE_TAUS * c.tau  # rebased at least once
+    scale = math.exp(-(clock.t - c.arrival_t) / c.tau)
+    assert [w * scale for w in c.arrivals] == pytest.approx(eager, rel=1e-9)
+    assert c.arrival_rate(clock()) == pytest.approx(sum(eager), rel=1e-9)
+
+
+def test_an_engines_kept_figures_follow_every_change_to_its_state() -> None:
+    """EngineCosts keeps its step, its step with one more stream and its stall per token while
+    CostModel.tick stays: each call that changes what they depend on moves it. Negative
+    control: asked again with nothing changed, the kept figure is returned."""
+    model, planner, clock = setup()
+    a, b = engines("a", "b")
+    ca, cb = costs(model, a), costs(model, b)
+    ca.step.crowding = 1.0
+    planner.choose(100, NONE, [a], [a], 10, clock())  # a decision: figures worked out afresh
+    alone = ca.step_here()
+    assert ca.step_here() == alone == ca.step_seconds(0)  # kept
+    job = cb.start("whole", 100, 10, True, clock())  # b at work: a's step crowded
+    assert ca.step_here() == ca.step_seconds(0) > alone
+    job.first(clock())  # b decodes one more stream
+    assert cb.step_here() == cb.step_seconds(1)
+    assert cb.step_next() == cb.step_seconds(2)
+    clock.t += 0.001
+    job.gap(0.5, clock())  # a gap past the bound, ending the step of its prompt: a stall sample
+    stall = cb.stall_per_token()
+    cb.saw_first_token(100, clock())
+    clock.t += 0.001
+    cb.saw_gap(0.5, clock())
+    assert cb.stall_per_token() != stall
+    job.end()
+    assert cb.step_here() == cb.step_seconds(0)
+    assert ca.step_here() == alone  # b idle again
 
 
 def test_a_meter_counts_each_call_of_a_decision_as_an_arrival_with_its_slack() -> None:
@@ -796,7 +852,7 @@ def test_an_engine_that_prefilled_only_short_prompts_prices_a_token_from_the_poo
     def prefill(ep: Endpoint, n: int) -> None:
         c = costs(model, ep)
         j = c.start("prefill", n, 0, False, clock())
-        clock.t += truth(n) * rng.uniform(0.9, 1.1) + c.step_now(0)
+        clock.t += truth(n) * rng.uniform(0.9, 1.1) + c.step_seconds(0)
         j.end()
         j.answered()
         clock.t += SOLVE_SECONDS
