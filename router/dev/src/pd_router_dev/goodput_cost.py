@@ -34,7 +34,9 @@ from pd_router.tokens import TokenCounter
 
 BATCH = 1000
 GAP = 0.000125  # seconds between arrivals: about 8,000 requests a second, the bench's rate
-LAYOUTS = ("fixed", "flexible")  # one decoder and one prefiller; two engines in both roles
+# one decoder and one prefiller; two engines in both roles; eight (the decision weighs every
+# engine of the pool for every request: what each one more costs)
+LAYOUTS = ("fixed", "flexible", "flexible x8")
 BODY: dict[str, Any] = {
     "model": "llama-3.3-70b",
     "messages": [{"role": "user", "content": "Say hello to the benchmark in a few words."}],
@@ -55,7 +57,7 @@ async def _no_tokenize(body: dict[str, Any], chat: bool) -> list[int]:
 
 def _engines(layout: str) -> Pools:
     eps = []
-    for i in range(2):
+    for i in range(8 if layout.endswith("x8") else 2):
         ep = Endpoint(f"http://127.0.0.1:{9000 + i}")
         ep.healthy, ep.revision, ep.generation = True, "", 1
         eps.append(ep)
@@ -113,7 +115,7 @@ def run(batches: int = 20, log: Callable[[str], None] = print) -> list[dict[str,
                 "us_more": us["goodput"] - us["prefix"],
             }
             log(
-                f"  goodput decision cost: {layout:8s} {clients:2d} in flight: goodput "
+                f"  goodput decision cost: {layout:11s} {clients:2d} in flight: goodput "
                 f"{us['goodput']:.1f} us, prefix {us['prefix']:.1f} us per request"
             )
             rows.append(row)
