@@ -64,6 +64,12 @@ def env(vllm: str | None = None, extra: dict[str, str] | None = None) -> dict[st
     )
     if vllm is not None:
         out["PYTHONPATH"] = str(vllm_dir(vllm))
+        # A cache of its own per version: vLLM keeps one file per model class in
+        # VLLM_CACHE_ROOT/modelinfos, checked against a hash of the class's module
+        # (model_executor/models/registry.py, 0.31.0 and 0.33.0), so two versions sharing one
+        # overwrote each other's and each run inspected every architecture again, a subprocess
+        # that imports torch each (~10 s): the CLI tier took 100 s a version instead of 15.
+        out["VLLM_CACHE_ROOT"] = str(STACK / "cache" / f"vllm-{vllm}")
     out.update(extra or {})
     return out
 

@@ -711,6 +711,35 @@ class EngineCosts:
             self.q_steps + self.steps_of(tokens),
         )
 
+    def decode_miss(self, out: int, now: float) -> tuple[float, float]:
+        """(step, chance of missing the ITL bound) of a stream of ``out`` tokens that starts
+        decoding here now: its step alone past the bound is a miss; else more slow gaps than
+        its budget, Poisson at this engine's share of slow gaps times its tokens."""
+        step = self.step_next()
+        if step > self.itl_bound:
+            return step, 1.0
+        return step, poisson_above(self.slow_share(now) * out, int((1 - ITL_QUANTILE) * out))
+
+    def prefill_figures(self, tokens: int) -> tuple[float, float]:
+        """(:meth:`prefill_seconds`, :meth:`slow_steps`) of a prompt of ``tokens`` uncached
+        tokens, for a prompt of one chunk (most) in one frame: the goodput decision asks both
+        of every engine it weighs, for every request (a test holds them equal to the two
+        methods)."""
+        if tokens > self.chunk_size or tokens <= 0:
+            return self.prefill_seconds(tokens), self.slow_steps(tokens)
+        if self.memo_tick != self.model.tick:
+            self._remember()
+        here = self.memo_step
+        p = self.prefill
+        ttft = here + (
+            p.a
+            + p.b * (self.q_tokens + tokens)
+            + p.q * (self.q_sq + tokens * tokens)
+            + p.c * (self.q_steps + 1)
+        )
+        z = math.log(max(STEP_MIN, here + self.memo_stall * tokens)) - self.log_itl_bound
+        return ttft, 0.5 * (1.0 + math.erf(z * _STEP_Z))
+
     def holds(self, tokens: int) -> float:
         """How much longer prefilling ``tokens`` uncached tokens here makes the calls behind it
         wait: its tokens' compute, and a step for each chunk past its first (a prompt within
@@ -1037,6 +1066,7 @@ def chance_above(z: float, spread: float = STEP_SPREAD) -> float:
 
 
 _SQRT2 = math.sqrt(2.0)
+_STEP_Z = 1.0 / (STEP_SPREAD * _SQRT2)  # chance_above's at STEP_SPREAD
 
 
 class CostModel:

@@ -76,11 +76,9 @@ from pd_router.costs import (
     CROWD_MIN,
     DEFAULT_OUTPUT_TOKENS,
     HARM_NEGLIGIBLE,
-    ITL_QUANTILE,
     CostModel,
     EngineCosts,
     chance_above,
-    poisson_above,
 )
 from pd_router.discovery import Endpoint
 from pd_router.pairs import HandoffPairs
@@ -181,16 +179,6 @@ class Planner:
             c.refresh(now)
         return c
 
-    def _decode(self, c: EngineCosts, out: int, now: float) -> tuple[float, float]:
-        """(step, chance of missing the ITL bound) of a stream of ``out`` tokens decoding on
-        ``c`` from now: its step alone past the bound is a miss; else more slow gaps than its
-        budget, Poisson at the engine's share of slow gaps times its tokens."""
-        step = c.step_next()
-        if step > self.itl_bound:
-            return step, 1.0
-        expected = c.slow_share(now) * out
-        return step, poisson_above(expected, int((1 - ITL_QUANTILE) * out))
-
     def crowding(self, c: EngineCosts, seconds: float, now: float) -> float:
         """The streams decoding on the other engines that ``c`` pushes past their ITL p95 by
         working ``seconds`` from now: all that while their steps are as slow as ``c`` at work
@@ -262,9 +250,8 @@ class Planner:
 
     def whole(self, ep: Endpoint, tokens: int, out: int, bound: float, now: float) -> Option:
         c = self._costs(ep, now)
-        ttft = c.prefill_seconds(tokens)
-        step, itl_miss = self._decode(c, out, now)
-        slow = c.slow_steps(tokens)
+        ttft, slow = c.prefill_figures(tokens)
+        step, itl_miss = c.decode_miss(out, now)
         # harm, crowding and held_up are 0 for most short prompts: their tests saved a call
         harm = c.harm(slow, now) if slow > HARM_NEGLIGIBLE else 0.0
         itl_misses = itl_miss + harm
@@ -281,8 +268,7 @@ class Planner:
         after :meth:`choose` weighed ``o``, with nothing changed since: the engine's figures
         kept then still hold (``CostModel.tick``)."""
         c = self._costs(o.decoder, now)
-        ttft = c.prefill_seconds(tokens)
-        slow = c.slow_steps(tokens)
+        ttft, slow = c.prefill_figures(tokens)
         harm = c.harm(slow, now) if slow > HARM_NEGLIGIBLE else 0.0
         itl_misses = o.itl_misses - o.harm + harm
         up = self.held_up(c, tokens, now) if c.arrival_t else 0.0
@@ -409,7 +395,7 @@ class Planner:
                 continue
             c = self._costs(y, now)
             pull = max(1, prompt - held(y))
-            step, itl_miss = self._decode(c, out, now)
+            step, itl_miss = c.decode_miss(out, now)
             wait = self.model.handoff(pull) + c.queue_seconds()
             itl_miss += self.crowding(c, wait + out * step, now)
             dec.append((itl_miss, wait, step, y, c.decoding))

@@ -474,6 +474,38 @@ def test_an_engines_kept_figures_follow_every_change_to_its_state() -> None:
     assert ca.step_here() == alone  # b idle again
 
 
+def test_an_engines_prefill_figures_in_one_frame_equal_its_two_methods() -> None:
+    """EngineCosts.prefill_figures works out a one-chunk prompt's TTFT and slow steps in one
+    frame, for the decision's speed: in every state a busy engine goes through, they equal
+    prefill_seconds and slow_steps."""
+    model, _, clock = setup()
+    a, b = engines("a", "b")
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(60):
+        e = rng.choice((a, b))
+        c = costs(model, e)
+        clock.t += rng.uniform(0.0, 0.05)
+        job = c.start("whole", rng.randint(1, 3000), rng.randint(1, 64), True, clock())
+        if rng.random() < 0.7:
+            clock.t += rng.uniform(0.001, 0.3)
+            job.first(clock())
+            for _ in range(rng.randint(0, 5)):
+                clock.t += rng.uniform(0.005, 0.2)
+                job.gap(rng.uniform(0.005, 0.2), clock())
+        if rng.random() < 0.3:
+            job.end()
+        for x in (a, b):
+            cx = costs(model, x)
+            cx.refresh(clock())
+            for tokens in (0, 1, 37, 300, int(cx.chunk_size), int(cx.chunk_size) + 1, 6000):
+                got = cx.prefill_figures(tokens)
+                want = (cx.prefill_seconds(tokens), cx.slow_steps(tokens))
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+                checked += 1
+    assert checked == 60 * 2 * 7
+
+
 def test_a_meter_counts_each_call_of_a_decision_as_an_arrival_with_its_slack() -> None:
     model, _, clock = setup()
     a, b = engines("a", "b")
