@@ -24,12 +24,12 @@ def release(cluster: ControlPlane, request: pytest.FixtureRequest, helm_bin: Pat
     """A namespace for the test's release, uninstalled and deleted afterwards (the fleet is shared)."""
     env = request.node.callspec.params["env"]
     ns = f"{env}-{names(helm_bin)}"
-    cluster.apply([fleet.namespace(ns, POD_SECURITY[env])])
+    cluster.create_namespace(fleet.namespace(ns, POD_SECURITY[env]))
     yield ns
-    # No `--wait`: Helm 4.2.1 then waits out the whole timeout (helm/helm#32214); deleting the
-    # namespace waits for the pods instead.
+    # No `--wait`: Helm 4.2.1 then waits out the whole timeout (helm/helm#32214); dropping the
+    # namespace removes its pods at once instead.
     cluster.run(helm_bin, "uninstall", "pd", "-n", ns)
-    cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s")
+    cluster.drop_namespace(ns)
 
 
 def install(cluster: ControlPlane, helm_bin: Path, env: str, ns: str, *extra: str) -> None:

@@ -21,9 +21,9 @@ LABEL = "leaderworkerset.sigs.k8s.io"
 
 @pytest.fixture
 def ns(cluster: ControlPlane) -> Iterator[str]:
-    cluster.apply([fleet.namespace(NS, "restricted")])
+    cluster.create_namespace(fleet.namespace(NS, "restricted"))
     yield NS
-    cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=120s")
+    cluster.drop_namespace(NS)
 
 
 def leader_worker_set(name: str = NAME, replicas: int = 1, exclusive: str = "") -> dict[str, Any]:

@@ -27,10 +27,10 @@ HELM = helm.helm_binaries()[0]
 @pytest.fixture
 def ns(cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
     name = "multi-node-" + request.node.name.split("_")[1]
-    cluster.apply([fleet.namespace(name, POD_SECURITY["prod"])])  # EFA and a hostPath cache: privileged
+    cluster.create_namespace(fleet.namespace(name, POD_SECURITY["prod"]))  # EFA and a hostPath cache: privileged
     yield name
     cluster.run(HELM, "uninstall", "pd", "-n", name)
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s")
+    cluster.drop_namespace(name)
 
 
 def helm_install(cluster: ControlPlane, ns: str, verb: str, *files: str) -> None:

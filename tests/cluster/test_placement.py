@@ -27,10 +27,10 @@ CASES = {
 @pytest.fixture
 def ns(cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
     name = "pending-" + "-".join(request.node.callspec.params["case"].split()[:3]).lower()
-    cluster.apply([fleet.namespace(name, "privileged")])
+    cluster.create_namespace(fleet.namespace(name, "privileged"))
     yield name
     cluster.run(helm.helm_binaries()[1], "uninstall", "pd", "-n", name)
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s")
+    cluster.drop_namespace(name)
 
 
 @pytest.mark.parametrize("case", CASES)

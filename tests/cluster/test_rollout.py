@@ -26,10 +26,10 @@ ENGINES = ("prefill", "decode")
 @pytest.fixture
 def ns(cluster: ControlPlane) -> Iterator[str]:
     name = "rollout"
-    cluster.apply([fleet.namespace(name, POD_SECURITY[ENV])])
+    cluster.create_namespace(fleet.namespace(name, POD_SECURITY[ENV]))
     yield name
     cluster.run(helm.helm_binaries()[0], "uninstall", "pd", "-n", name)
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s")
+    cluster.drop_namespace(name)
 
 
 def bumped(tmp: Path) -> Path:

@@ -38,10 +38,10 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
 @pytest.fixture
 def namespace(cluster: ControlPlane, request: pytest.FixtureRequest, helm_bin: Path) -> Iterator[str]:
     ns = f"up-{request.node.callspec.params.get('env', 'x')}-{names(helm_bin)}"
-    cluster.apply([fleet.namespace(ns, "privileged")])
+    cluster.create_namespace(fleet.namespace(ns, "privileged"))
     yield ns
     cluster.run(helm_bin, "uninstall", "pd", "-n", ns)  # no --wait: Helm 4.2.1 would sit out the timeout
-    cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s")
+    cluster.drop_namespace(ns)
 
 
 def values(root: Path, env: str) -> list[str]:
@@ -234,7 +234,7 @@ def staging_release(cluster: ControlPlane) -> Iterator[Callable[[], str]]:
 
     def get() -> str:
         if not installed:
-            cluster.apply([fleet.namespace(ns, "privileged")])
+            cluster.create_namespace(fleet.namespace(ns, "privileged"))
             h3 = helm.helm_binaries()[1]
             helm_ok(
                 cluster,
@@ -255,4 +255,4 @@ def staging_release(cluster: ControlPlane) -> Iterator[Callable[[], str]]:
     yield get
     if installed:
         cluster.run(helm.helm_binaries()[1], "uninstall", "pd", "-n", ns)
-        cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s")
+        cluster.drop_namespace(ns)
