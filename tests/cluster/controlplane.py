@@ -305,18 +305,20 @@ class ControlPlane:
         """Apply a test's namespace (fleet.namespace) once any earlier one of its name is gone
         (:meth:`drop_namespace` does not wait for it)."""
         name = doc["metadata"]["name"]
-        self.kubectl("wait", "--for=delete", f"namespace/{name}", "--timeout=120s", check=False)
+        # returns at once where there is none (kubectl's wait ignores NotFound for --for=delete)
+        self.kubectl("wait", "--for=delete", f"namespace/{name}", "--timeout=120s")
         self.apply([doc])
 
     def drop_namespace(self, name: str) -> None:
         """Delete a test's namespace, its pods at once and the rest without waiting: the
         namespace controller waits 5 s before it even starts on a deleted namespace
         (namespaceDeletionGracePeriod, pkg/controller/namespace/namespace_controller.go), which
-        cost each cluster test 5-12 s of teardown. The pods go first (`--grace-period=0
-        --force`), so the shared fleet's capacity is free for the next test; :meth:`create_namespace`
-        waits for a namespace of the same name."""
-        self.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", check=False)
+        cost each cluster test 5-12 s of teardown. The namespace first (terminating, it takes no
+        new pod: a controller cannot recreate one), then its pods at once (`--grace-period=0
+        --force`), so the shared fleet's capacity is free for the next test;
+        :meth:`create_namespace` waits for a namespace of the same name."""
         self.kubectl("delete", "namespace", name, "--wait=false")
+        self.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", check=False)
 
     def apply(
         self, docs: list[dict[str, Any]] | str, *args: str, check: bool = True

@@ -634,14 +634,17 @@ class EngineCosts:
         decision weighs an engine several times at one ``now``."""
         if now == self.seen_at and not self.seen_gaps:
             return
-        self.model.tick += 1
-        self.refresh_prefill(now)
+        self.refresh_prefill(now)  # moves the tick where it solves
         if self.step.pending and now - self.step_solved_at >= SOLVE_SECONDS:
             self.step.solve()
             self._step_solved(now)
+            self.model.tick += 1
         d = math.exp(-(now - self.seen_at) / self.tau) if self.seen_at else 1.0
         self.gaps_d = self.gaps_d * d + self.seen_gaps
         self.slow_d = self.slow_d * d + self.seen_slow
+        # only this engine's share follows the gaps just folded: the tick, every engine's
+        # figures, stays (refreshed at each new instant, each engine moved it a decision)
+        self.memo_share_at = math.nan
         self.seen_at = now
         self.seen_gaps = self.seen_slow = 0
         report = self.model.report

@@ -474,36 +474,68 @@ def test_an_engines_kept_figures_follow_every_change_to_its_state() -> None:
     assert ca.step_here() == alone  # b idle again
 
 
-def test_an_engines_prefill_figures_in_one_frame_equal_its_two_methods() -> None:
-    """EngineCosts.prefill_figures works out a one-chunk prompt's TTFT and slow steps in one
-    frame, for the decision's speed: in every state a busy engine goes through, they equal
-    prefill_seconds and slow_steps."""
+def test_an_engines_kept_figures_equal_fresh_ones_in_every_state_of_a_busy_trace() -> None:
+    """What EngineCosts keeps while CostModel.tick stays (its step now and with one more
+    stream, its stall per token, its slow-gap share) and what prefill_figures works out in one
+    frame equal the figures worked out afresh (the tick moved by hand), after every kind of
+    change a busy router makes: calls of each kind started, first tokens, gaps within and past
+    the ITL bound, ends, refreshes at new instants, prefill and step fits solved."""
     model, _, clock = setup()
     a, b = engines("a", "b")
+    for e in (a, b):
+        costs(model, e).step.crowding = 1.0  # the other engine's work moves this one's step
+    model.tick += 1
     rng = random.Random(11)
     checked = 0
-    for _ in range(60):
-        e = rng.choice((a, b))
-        c = costs(model, e)
-        clock.t += rng.uniform(0.0, 0.05)
-        job = c.start("whole", rng.randint(1, 3000), rng.randint(1, 64), True, clock())
-        if rng.random() < 0.7:
-            clock.t += rng.uniform(0.001, 0.3)
-            job.first(clock())
-            for _ in range(rng.randint(0, 5)):
-                clock.t += rng.uniform(0.005, 0.2)
-                job.gap(rng.uniform(0.005, 0.2), clock())
-        if rng.random() < 0.3:
-            job.end()
+    jobs = []
+
+    def check() -> None:
+        """Every engine's kept figures read first, then all worked out afresh: a fresh read of
+        one engine would move the tick under the other's."""
+        nonlocal checked
+        now = clock()
+        kept = {}
         for x in (a, b):
             cx = costs(model, x)
-            cx.refresh(clock())
-            for tokens in (0, 1, 37, 300, int(cx.chunk_size), int(cx.chunk_size) + 1, 6000):
-                got = cx.prefill_figures(tokens)
-                want = (cx.prefill_seconds(tokens), cx.slow_steps(tokens))
-                assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
-                checked += 1
-    assert checked == 60 * 2 * 7
+            if rng.random() < 0.2:
+                cx.refresh(now)
+            tokens = rng.choice((0, 1, 37, 300, int(cx.chunk_size), int(cx.chunk_size) + 1, 6000))
+            got = (cx.step_here(), cx.step_next(), cx.stall_per_token(), cx.slow_share(now))
+            kept[x.base] = (tokens, got, cx.prefill_figures(tokens))
+        model.tick += 1  # afresh
+        for x in (a, b):
+            cx = costs(model, x)
+            tokens, got, figures = kept[x.base]
+            fresh = (
+                cx.step_seconds(cx.decoding),
+                cx.step_seconds(cx.decoding + 1),
+                cx.stall_per_token(),
+                cx.slow_share(now),
+            )
+            assert got == pytest.approx(fresh, rel=1e-12, abs=1e-15)
+            want = (cx.prefill_seconds(tokens), cx.slow_steps(tokens))
+            assert figures == pytest.approx(want, rel=1e-12, abs=1e-15)
+            checked += 1
+
+    for _ in range(300):
+        c = costs(model, rng.choice((a, b)))
+        clock.t += rng.uniform(0.0, 0.05)
+        r = rng.random()
+        if r < 0.3 or not jobs:
+            kind = rng.choice(("whole", "whole", "prefill", "decode"))
+            jobs.append(c.start(kind, rng.randint(1, 3000), rng.randint(1, 64), True, clock()))
+        elif r < 0.45:
+            rng.choice(jobs).first(clock())
+        elif r < 0.7:
+            j = rng.choice(jobs)
+            j.first(clock())
+            j.gap(rng.choice((0.01, 0.04, 0.2, 1.5)), clock())  # within and past the bound
+        else:
+            j = jobs.pop(rng.randrange(len(jobs)))
+            j.end()
+            j.answered()
+        check()
+    assert checked == 600
 
 
 def test_a_meter_counts_each_call_of_a_decision_as_an_arrival_with_its_slack() -> None:
