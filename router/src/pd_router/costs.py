@@ -733,15 +733,12 @@ class EngineCosts:
         if self.memo_tick != self.model.tick:
             self._remember()
         here = self.memo_step
-        p = self.prefill
-        ttft = here + (
-            p.a
-            + p.b * (self.q_tokens + tokens)
-            + p.q * (self.q_sq + tokens * tokens)
-            + p.c * (self.q_steps + 1)
+        ttft = here + self.prefill(
+            self.q_tokens + tokens, self.q_sq + tokens * tokens, self.q_steps + 1
         )
-        z = math.log(max(STEP_MIN, here + self.memo_stall * tokens)) - self.log_itl_bound
-        return ttft, 0.5 * (1.0 + math.erf(z * _STEP_Z))
+        # chunk_seconds(0, tokens), the one chunk's step
+        chunk = max(STEP_MIN, here + self.memo_stall * tokens)
+        return ttft, chance_above(math.log(chunk) - self.log_itl_bound, STEP_SPREAD)
 
     def holds(self, tokens: int) -> float:
         """How much longer prefilling ``tokens`` uncached tokens here makes the calls behind it
@@ -815,10 +812,9 @@ class EngineCosts:
         """A step that carries ``c`` prompt tokens of a prompt ``done`` tokens in: the decode
         step and that chunk's compute (the stall seen per token, with attention's growth over
         the tokens before it from the prefill fit)."""
-        p = self.prefill
-        if self.memo_tick != self.model.tick:
-            self._remember()
-        return max(STEP_MIN, self.memo_step + self.memo_stall * c + p.q * 2 * done * c)
+        return max(
+            STEP_MIN, self.step_here() + self.stall_per_token() * c + self.prefill.q * 2 * done * c
+        )
 
     def _stall(self, tokens: int, gap: float) -> None:
         """A gap that ended with the step that prefilled ``tokens`` (its last chunk)."""
@@ -1069,7 +1065,6 @@ def chance_above(z: float, spread: float = STEP_SPREAD) -> float:
 
 
 _SQRT2 = math.sqrt(2.0)
-_STEP_Z = 1.0 / (STEP_SPREAD * _SQRT2)  # chance_above's at STEP_SPREAD
 
 
 class CostModel:

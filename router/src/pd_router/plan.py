@@ -75,7 +75,6 @@ from dataclasses import dataclass
 from pd_router.costs import (
     CROWD_MIN,
     DEFAULT_OUTPUT_TOKENS,
-    HARM_NEGLIGIBLE,
     CostModel,
     EngineCosts,
     chance_above,
@@ -175,8 +174,7 @@ class Planner:
 
     def _costs(self, ep: Endpoint, now: float) -> EngineCosts:
         c = self.model.of(ep.base, ep.generation)
-        if now != c.seen_at or c.seen_gaps:  # refresh's own test, saved a call: once an instant
-            c.refresh(now)
+        c.refresh(now)
         return c
 
     def crowding(self, c: EngineCosts, seconds: float, now: float) -> float:
@@ -252,12 +250,9 @@ class Planner:
         c = self._costs(ep, now)
         ttft, slow = c.prefill_figures(tokens)
         step, itl_miss = c.decode_miss(out, now)
-        # harm, crowding and held_up are 0 for most short prompts: their tests saved a call
-        harm = c.harm(slow, now) if slow > HARM_NEGLIGIBLE else 0.0
-        itl_misses = itl_miss + harm
-        if self.model.crowded:
-            itl_misses += self.crowding(c, ttft + out * step, now)
-        up = self.held_up(c, tokens, now) if c.arrival_t else 0.0
+        harm = c.harm(slow, now)
+        itl_misses = itl_miss + harm + self.crowding(c, ttft + out * step, now)
+        up = self.held_up(c, tokens, now)
         misses = ttft_miss(ttft, bound) + itl_misses + up
         return Option(ep, None, ttft, step, misses, itl_misses, c.decoding, slow, ttft, harm, up)
 
@@ -269,9 +264,9 @@ class Planner:
         kept then still hold (``CostModel.tick``)."""
         c = self._costs(o.decoder, now)
         ttft, slow = c.prefill_figures(tokens)
-        harm = c.harm(slow, now) if slow > HARM_NEGLIGIBLE else 0.0
+        harm = c.harm(slow, now)
         itl_misses = o.itl_misses - o.harm + harm
-        up = self.held_up(c, tokens, now) if c.arrival_t else 0.0
+        up = self.held_up(c, tokens, now)
         misses = ttft_miss(ttft, bound) + itl_misses + up
         return Option(
             o.decoder, None, ttft, o.itl, misses, itl_misses, o.streams, slow, ttft, harm, up
