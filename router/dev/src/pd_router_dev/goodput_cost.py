@@ -6,12 +6,12 @@ the next (docs/benchmarks.md).
 A short chat prompt, as the bench's throughput matrix sends, decided by ``pd_router.decide.
 Decider`` as the router builds it, then what the router does with the decision: the prefix index
 records the prompt on the decoder (``Decider.remember``), and for ``goodput`` the call's cost
-meter starts, sees its answer and ends (``pd_router.costs.Meter.job``, ``Job.first``,
-``answered``, ``end``) and the ``x-pd-predicted`` header is written. The cost model's clock is
-simulated: ``clients`` requests in flight, each answered ``clients`` arrivals after it was sent,
-arrivals ``GAP`` seconds apart, so that the learnt state is a busy router's. Per case, the
-process CPU of the best batch of ``BATCH`` requests out of ``batches`` (the least disturbed by
-the rest of the machine), in microseconds per request.
+meter starts and ends with its answer (``pd_router.costs.Meter.job``, ``Job.end``: not streamed,
+the router never sees its first token) and the ``x-pd-predicted`` header is written. The cost
+model's clock is simulated: ``clients`` requests in flight, each answered ``clients`` arrivals
+after it was sent, arrivals ``GAP`` seconds apart, so that the learnt state is a busy router's.
+Per case, the process CPU of the best batch of ``BATCH`` requests out of ``batches`` (the least
+disturbed by the rest of the machine), in microseconds per request.
 
     python -m pd_router_dev.goodput_cost
 """
@@ -90,10 +90,7 @@ async def _best_batch(decision: str, layout: str, clients: int, batches: int) ->
                 inflight.append(d.meter.job(ep.base, ep.generation, "whole"))
                 d.option.header()
             while len(inflight) >= clients:
-                job = inflight.popleft()
-                job.first(clock.t)
-                job.answered()
-                job.end()
+                inflight.popleft().end()
         best = min(best, time.process_time() - t0)
     return best / BATCH * 1e6
 
